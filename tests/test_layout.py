@@ -1,0 +1,136 @@
+"""Guards for the repository layout and the layering rules of DESIGN.md §1."""
+
+from __future__ import annotations
+
+import ast
+import operator as stdlib_operator
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE_FOLDERS = ("engine", "connectors", "kernels", "router", "operator")
+ALL_FOLDERS = CODE_FOLDERS + ("crds", "charts", "examples", "tests", "e2e", "bench", "docs")
+# folder -> epdserve sub-packages it may import (besides itself)
+ALLOWED_INTERNAL = {
+    "operator": set(),
+    "router": {"connectors"},
+    "engine": {"connectors", "kernels"},
+    "connectors": set(),
+    "kernels": set(),
+}
+NO_TORCH = ("operator", "router")
+HEAVY = {"torch", "transformers", "triton"}
+
+
+def python_files(folder: str):
+    return [p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts]
+
+
+def imported_modules(path: Path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                yield node.module, alias.name
+
+
+def test_every_folder_of_the_layout_exists():
+    missing = [f for f in ALL_FOLDERS if not (ROOT / f).is_dir()]
+    assert not missing, f"missing top-level folders: {missing}"
+
+
+@pytest.mark.parametrize("folder", CODE_FOLDERS)
+def test_mapped_folder_has_no_root_init(folder):
+    assert not (ROOT / folder / "__init__.py").exists(), (
+        f"{folder}/__init__.py must not exist: the folder is mapped to epdserve.{folder} "
+        "and a root __init__ would let it shadow another module"
+    )
+
+
+def test_no_code_imports_a_folder_bare():
+    offenders = []
+    for folder in ALL_FOLDERS:
+        for path in python_files(folder):
+            for module, name in imported_modules(path):
+                top, _, rest = module.partition(".")
+                if top in ("engine", "connectors", "kernels", "router"):
+                    offenders.append(f"{path.relative_to(ROOT)}: import {module}")
+                elif top == "operator" and (rest or (name and not hasattr(stdlib_operator, name))):
+                    offenders.append(f"{path.relative_to(ROOT)}: import {module} {name or ''}")
+    assert not offenders, "bare imports of project folders:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("folder", CODE_FOLDERS)
+def test_layering_rules_hold(folder):
+    offenders = []
+    for path in python_files(folder):
+        for module, _ in imported_modules(path):
+            parts = module.split(".")
+            if parts[0] == "epdserve" and len(parts) > 1 and parts[1] in CODE_FOLDERS:
+                if parts[1] != folder and parts[1] not in ALLOWED_INTERNAL[folder]:
+                    offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+            if folder in NO_TORCH and parts[0] in HEAVY:
+                offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not offenders, f"layering broken in {folder}/:\n" + "\n".join(offenders)
+
+
+def test_router_and_operator_modules_import_without_torch():
+    modules = []
+    for folder in NO_TORCH:
+        for path in python_files(folder):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            modules.append(".".join(("epdserve", folder, *rel.parts)))
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+        "assert not heavy, heavy[:5]\n"
+        "import epdserve.engine.cli\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+def test_stdlib_operator_is_not_shadowed_from_the_repo_root():
+    code = "import operator; assert hasattr(operator, 'itemgetter'), operator.__file__"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+def test_wheel_ships_every_code_file_and_nothing_from_the_root(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    import zipfile
+
+    (wheel,) = tmp_path.glob("epdserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {
+        f"epdserve/{p.relative_to(ROOT).as_posix()}"
+        for folder in CODE_FOLDERS
+        for p in python_files(folder)
+    }
+    assert expected <= names, sorted(expected - names)[:10]
+    assert "epdserve/__init__.py" in names
+    assert "epdserve/setup.py" not in names
