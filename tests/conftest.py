@@ -29,3 +29,108 @@ class ModelStore:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> ModelStore:
     return ModelStore(tmp_path_factory.mktemp("models"))
+
+
+class RedisServer:
+    """A real ``redis-server`` process on a free loopback port (no persistence)."""
+
+    def __init__(self, workdir):
+        self.workdir = workdir
+        self.port = _free_port()
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import subprocess
+        import time
+
+        binary = find_redis_server()
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import socket
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_redis_server() -> str:
+    """Debian's redis-server, else the one the ``redis-server`` pip package ships."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    found = shutil.which("redis-server") or str(Path(sys.executable).parent / "redis-server")
+    if Path(found).exists():
+        return found
+    try:
+        import redis_server  # pip package
+
+        return redis_server.REDIS_SERVER_PATH
+    except ImportError:
+        pytest.fail("redis-server not found: run `make test` (it installs one)")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A session-wide real redis-server; tests that kill it must restart it."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of a running, empty redis-server database."""
+    import redis
+
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
