@@ -1,0 +1,90 @@
+"""Decode-attention bandwidth of the torch twin vs a plain ``copy_`` of the same bytes.
+
+Prints one JSON object. For each config a cross-layer KV cache is built, 64 sequences of
+``ctx`` tokens decode one token each through ``epdserve.kernels.paged_attention`` (the CPU
+twin), and the KV bytes it must read are timed against ``dst.copy_(src)`` of that many
+bytes in the same run. ``ratio`` = twin bytes/s / copy bytes/s (target >= 0.30).
+
+    .venv/bin/python bench/kernels.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from epdserve.kernels import paged_attention
+
+CONFIGS = [  # (name, heads, kv_heads, head_dim)
+    ("tiny", 4, 2, 64),
+    ("llama-8b-like", 32, 8, 128),
+]
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats):
+    nblk = -(-ctx // block_size)
+    num_blocks = seqs * nblk + 1
+    kv = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim, dtype=dtype)
+    key_cache, value_cache = kv[:, 1, 0], kv[:, 1, 1]
+    table = (torch.randperm(num_blocks - 1)[: seqs * nblk] + 1).view(seqs, nblk).int()
+    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    qsl = torch.arange(seqs + 1, dtype=torch.int32)
+    query = torch.randn(seqs, heads, head_dim, dtype=dtype)
+    args = (query, key_cache, value_cache, table, seq_lens, qsl, head_dim**-0.5)
+    kv_bytes = 2 * seqs * ctx * kv_heads * head_dim * kv.element_size()
+    src = torch.randn(kv_bytes // kv.element_size(), dtype=dtype)
+    dst = torch.empty_like(src)
+    t_attn = best_of(lambda: paged_attention(*args), repeats)
+    t_copy = best_of(lambda: dst.copy_(src), repeats)
+    return {
+        "kv_bytes": kv_bytes,
+        "twin_ms": round(t_attn * 1e3, 3),
+        "copy_ms": round(t_copy * 1e3, 3),
+        "twin_GBps": round(kv_bytes / t_attn / 1e9, 2),
+        "copy_GBps": round(kv_bytes / t_copy / 1e9, 2),
+        "ratio": round(t_copy / t_attn, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    opts = parser.parse_args()
+    repeats = 3 if opts.quick else 10
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, heads, kv_heads, head_dim in CONFIGS:
+            for ctx in (256, 1024):
+                case = decode_case(heads, kv_heads, head_dim, ctx, opts.seqs,
+                                   opts.block_size, dtype, repeats)  # fmt: skip
+                head = {"config": name, "heads": heads, "kv_heads": kv_heads,
+                        "head_dim": head_dim, "ctx": ctx, "dtype": str(dtype)[6:]}  # fmt: skip
+                results.append(head | case)
+    print(json.dumps({
+        "bench": "kernels.paged_attention_decode",
+        "seqs": opts.seqs,
+        "block_size": opts.block_size,
+        "torch_threads": torch.get_num_threads(),
+        "twin": results,
+        "min_ratio": min(r["ratio"] for r in results),
+        "gpu": "not measured (no GPU on this machine)",
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Torch twin of the paged attention kernel: the engine's CPU attention path.
+
+Layout and semantics (shared with the Triton kernel):
+
+- ``key_cache``/``value_cache`` are ``[num_blocks, block_size, kv_heads, head_dim]``; in the
+  engine they are the strided per-layer views ``kv[:, layer, 0]`` / ``kv[:, layer, 1]`` of the
+  cross-layer cache ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``. Only the
+  blocks a batch needs are gathered (``index_select(out=)`` into a reused buffer); the whole
+  cache is never copied.
+- Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i+1]``; they are the LAST
+  ``q_len`` positions of its ``seq_lens[i]``-token context, so decode (q_len 1), chunked
+  prefill and prefill after a cached prefix share one call. Attention is causal.
+- Query head ``h`` reads kv head ``h // (num_heads // kv_heads)`` (GQA).
+- ``sliding_window=W``: a query at absolute position ``p`` sees keys in ``(p - W, p]``.
+- ``soft_cap=c``: ``logits = c * tanh(logits / c)`` after scaling by ``scale``.
+- ``block_table`` entries past a sequence's last block are ignored (negative ones included).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from epdserve.kernels.checks import check_paged_attention
+from epdserve.kernels.workspace import scratch
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal paged attention over a mixed batch; returns ``out[T, H, D]`` in query's dtype.
+
+    All-decode batches (every q_len == 1) run as one padded, masked, batched SDPA; in a
+    mixed batch the decode sequences still run batched and each longer query span runs
+    one SDPA of its own.
+    """
+    check_paged_attention(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        sliding_window, soft_cap,
+    )  # fmt: skip
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    _check_lengths(q_lens, lens, block_table.shape[1] * key_cache.shape[1])
+    args = (key_cache, value_cache, block_table, scale, sliding_window, soft_cap)
+    if all(n == 1 for n in q_lens):
+        if q_lens:
+            out.copy_(_decode_batch(query, lens, args))
+        return out
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        rows = torch.tensor([starts[i] for i in decode], device=query.device)
+        q = query.index_select(0, rows)
+        res = _decode_batch(q, [lens[i] for i in decode], args, seqs=decode)
+        out.index_copy_(0, rows, res)
+    for i, n in enumerate(q_lens):
+        if n > 1:
+            a = starts[i]
+            out[a : a + n] = _prefill_one(query[a : a + n], i, lens[i], args)
+    return out
+
+
+def _check_lengths(q_lens: list[int], lens: list[int], capacity: int) -> None:
+    for i, (q_len, ctx) in enumerate(zip(q_lens, lens, strict=True)):
+        if q_len < 0 or q_len > ctx:
+            raise ValueError(f"query_start_loc/seq_lens: sequence {i} has {q_len} queries "
+                             f"for a context of {ctx} tokens")  # fmt: skip
+        if ctx > capacity:
+            raise ValueError(f"seq_lens[{i}]={ctx} exceeds block_table capacity {capacity}")
+
+
+def _gather(cache: torch.Tensor, ids: torch.Tensor, purpose: str) -> torch.Tensor:
+    """Copy blocks ``ids`` of a (possibly strided) cache into a reused buffer."""
+    n, bs, kvh, d = cache.shape
+    src = cache.flatten(1)  # a view: the inner [bs, kvh, d] is contiguous
+    buf = scratch(purpose, (ids.numel(), bs * kvh * d), cache.dtype, cache.device)
+    torch.index_select(src, 0, ids, out=buf)
+    return buf.view(-1, kvh, d)
+
+
+def _block_ids(block_table: torch.Tensor, rows, num_blocks: int) -> torch.Tensor:
+    table = block_table[:, :num_blocks] if rows is None else block_table[rows, :num_blocks]
+    return table.reshape(-1).clamp(min=0)  # padding entries may be -1
+
+
+def _decode_batch(query, lens, args, seqs=None):
+    """One query per sequence: gather every sequence padded to the longest, one SDPA."""
+    key_cache, value_cache, block_table, scale, window, soft_cap = args
+    num_seqs, num_heads, head_dim = query.shape
+    bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_len = max(lens)
+    nblk = -(-max_len // bs)
+    rows = None if seqs is None else torch.tensor(seqs, device=query.device)
+    ids = _block_ids(block_table, rows, nblk)
+    k = _gather(key_cache, ids, "k").view(num_seqs, nblk * bs, kv_heads, head_dim)
+    v = _gather(value_cache, ids, "v").view(num_seqs, nblk * bs, kv_heads, head_dim)
+    ctx = torch.tensor(lens, device=query.device)
+    pos = torch.arange(nblk * bs, device=query.device)
+    mask = pos[None, :] < ctx[:, None]
+    if window is not None:
+        mask &= pos[None, :] > (ctx[:, None] - 1 - window)
+    q = query.unsqueeze(2)  # [S, H, 1, D]
+    res = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, soft_cap)
+    return res.squeeze(2)
+
+
+def _prefill_one(query, seq: int, ctx: int, args):
+    """The last ``q_len`` positions of one sequence attend causally to its ``ctx`` keys."""
+    key_cache, value_cache, block_table, scale, window, soft_cap = args
+    q_len, _, head_dim = query.shape
+    bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    ids = _block_ids(block_table[seq : seq + 1], None, -(-ctx // bs))
+    k = _gather(key_cache, ids, "k")[:ctx].view(1, ctx, kv_heads, head_dim)
+    v = _gather(value_cache, ids, "v")[:ctx].view(1, ctx, kv_heads, head_dim)
+    qpos = torch.arange(ctx - q_len, ctx, device=query.device)
+    kpos = torch.arange(ctx, device=query.device)
+    mask = kpos[None, :] <= qpos[:, None]
+    if window is not None:
+        mask &= kpos[None, :] > qpos[:, None] - window
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+    res = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask[None, None], scale, soft_cap)
+    return res[0].transpose(0, 1)
+
+
+def _attend(q, k, v, mask, scale, soft_cap):
+    """``q [B,H,Lq,D]``, ``k/v [B,KVH,Lk,D]``, boolean ``mask`` broadcastable to logits."""
+    if soft_cap is None:
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return _attend_soft_capped(q, k, v, mask, scale, soft_cap)
+
+
+def _attend_soft_capped(q, k, v, mask, scale, soft_cap):
+    """Explicit softmax attention (SDPA has no soft cap); logits in fp32."""
+    b, h, lq, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh * lq, d).float()
+    logits = torch.matmul(qg, k.float().transpose(-1, -2)) * scale
+    logits = torch.tanh(logits / soft_cap) * soft_cap
+    logits = logits.view(b, kvh, h // kvh, lq, -1)
+    logits = logits.masked_fill(~mask.view(mask.shape[0], 1, 1, lq, -1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).view(b, kvh, h // kvh * lq, -1)
+    return torch.matmul(probs, v.float()).view(b, h, lq, d).to(q.dtype)
