@@ -1,0 +1,48 @@
+"""Storage layer of the KV and encoder-cache connectors (DESIGN.md §3-4).
+
+``BlockStore`` (Redis or shared storage, picked by ``create_store(config)``) moves whole
+values; ``KVBlockIO`` / ``EncoderOutputIO`` turn cache tensors into keyed safetensors values
+and back; ``AsyncBlockStore`` runs the work on background threads. Names are exported lazily
+so that ``import epdserve.connectors.storage.redis_store`` (no torch) stays light.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "BlockStore": "base",
+    "StoreStats": "base",
+    "CircuitBreaker": "base",
+    "AsyncBlockStore": "async_store",
+    "RedisStoreConfig": "redis_store",
+    "RedisBlockStore": "redis_store",
+    "SharedStorageConfig": "file_store",
+    "SharedStorageBlockStore": "file_store",
+    "create_store": "factory",
+    "store_config": "factory",
+    "register_store": "factory",
+    "KVBlockMeta": "codec",
+    "EncoderOutputMeta": "codec",
+    "encode_kv_block": "codec",
+    "decode_kv_block": "codec",
+    "encode_encoder_output": "codec",
+    "decode_encoder_output": "codec",
+    "kv_key": "keys",
+    "ec_key": "keys",
+    "fingerprint": "keys",
+    "KVBlockIO": "transfer",
+    "EncoderOutputIO": "transfer",
+    "TransferStats": "transfer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

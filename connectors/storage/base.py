@@ -1,0 +1,106 @@
+"""The storage seam: a batched key -> bytes store that never raises on backend faults."""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class StoreStats:
+    """Monotonic counters of one store (the engine exports them as Prometheus counters)."""
+
+    puts: int = 0  # values stored
+    put_failures: int = 0  # values not stored: backend down/slow, read-only, full, too large
+    gets: int = 0  # keys looked up by get_many
+    hits: int = 0  # keys that returned a value
+    get_failures: int = 0  # keys not read because of a backend fault (also returned as misses)
+    rejected: int = 0  # values read back but refused (over the size limit, wrong type)
+    skipped: int = 0  # keys not even tried because the backend is marked down
+    reconnects: int = 0  # recoveries after the backend had been marked down
+    evictions: int = 0  # values this store evicted itself (size cap)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+
+
+class BlockStore(ABC):
+    """A shared key -> bytes store of whole values (KV blocks, encoder outputs).
+
+    Every method is batched, thread-safe and never raises because of the backend (down,
+    slow, full, read-only, garbage): it reports misses/failures and counts them in
+    ``stats``. Only programming errors (wrong argument types) raise.
+    """
+
+    stats: StoreStats
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Store each value under its key, replacing any previous value atomically (a reader
+        sees the old or the new value whole). Mutates the backend and ``stats``; returns, per
+        item, whether it was stored."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each key, ``None`` for a miss or a fault. Mutates ``stats`` (and may
+        refresh the entries' recency for LRU eviction)."""
+
+    @abstractmethod
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key holds a value now (``False`` on a fault); mutates nothing but
+        ``stats``. A later get may still miss (eviction, TTL)."""
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Remove the keys; mutates the backend. Returns how many existed (0 on a fault)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections/handles; the store must not be used afterwards."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class CircuitBreaker:
+    """ "Down until T" state: after a fault, calls are refused for a delay that doubles on each
+    consecutive fault (up to ``max_s``), so a dead backend is not hammered on every call."""
+
+    def __init__(self, initial_s: float, max_s: float, clock: Callable[[], float] = time.monotonic):
+        self.initial_s, self.max_s, self.clock = initial_s, max_s, clock
+        self._delay = 0.0
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def is_down(self) -> bool:
+        """Whether a fault has been seen and no success since (a probe may still be allowed)."""
+        return self._delay > 0
+
+    def allow(self) -> bool:
+        """Whether a call may go to the backend now."""
+        return self.clock() >= self._down_until
+
+    def record_failure(self) -> None:
+        with self._lock:
+            self._delay = min(self.max_s, self._delay * 2 if self._delay else self.initial_s)
+            self._down_until = self.clock() + self._delay
+
+    def record_success(self) -> bool:
+        """Close the breaker; returns whether it had been open (i.e. this is a reconnect)."""
+        with self._lock:
+            was_down, self._delay, self._down_until = self._delay > 0, 0.0, 0.0
+            return was_down

@@ -1,0 +1,140 @@
+"""Moves KV blocks and encoder outputs between tensors and a ``BlockStore``.
+
+This is the layer the engine's KV / encoder-cache connectors call: keys, codec and store
+in one place, with counters of what was loaded, missed and refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from epdserve.connectors.storage.base import BlockStore, StoreStats
+from epdserve.connectors.storage.codec import (
+    EncoderOutputMeta,
+    KVBlockMeta,
+    decode_encoder_output,
+    decode_kv_block,
+    encode_encoder_output,
+    encode_kv_block,
+)
+from epdserve.connectors.storage.keys import ec_key, kv_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferStats(StoreStats):
+    """Store-level counters reused for transfers: ``hits`` = loaded, ``rejected`` = values that
+    were present but did not decode (wrong metadata/shape/dtype, corrupt), ``gets`` = asked."""
+
+
+class KVBlockIO:
+    """Saves and loads whole blocks of a paged KV cache ``[num_blocks, *block_shape]``.
+
+    One instance per KV-cache group (``group`` > 0 only for hybrid models' extra groups).
+    """
+
+    def __init__(self, store: BlockStore, pool: str, meta: KVBlockMeta, group: int = 0):
+        self.store, self.pool, self.meta, self.group = store, pool, meta, group
+        self.stats = TransferStats()
+
+    def key(self, block_hash: bytes | int | str) -> str:
+        return kv_key(self.pool, self.meta.fingerprint, block_hash, self.group)
+
+    def count_cached_prefix(self, block_hashes: Sequence[bytes | int | str]) -> int:
+        """How many leading blocks of the chain are in the store now (a later load may still
+        miss one: eviction, TTL, a fault)."""
+        found = self.store.exists_many([self.key(h) for h in block_hashes])
+        return next((i for i, ok in enumerate(found) if not ok), len(found))
+
+    def save(
+        self, kv_cache: torch.Tensor, block_ids: Sequence[int], block_hashes: Sequence
+    ) -> list[bool]:
+        """Store ``kv_cache[block_ids[i]]`` under ``block_hashes[i]``; per block, whether it was
+        stored. Reads the cache only (a device cache is staged to the host in one gather)."""
+        _check_pairs(block_ids, block_hashes)
+        blocks = kv_cache
+        if kv_cache.device.type != "cpu":
+            index = torch.as_tensor(list(block_ids), device=kv_cache.device)
+            blocks, block_ids = kv_cache.index_select(0, index).cpu(), range(len(block_ids))
+        items = [
+            (self.key(h), encode_kv_block(blocks[b], self.meta))
+            for b, h in zip(block_ids, block_hashes, strict=True)
+        ]
+        done = self.store.put_many(items)
+        stored = sum(done)
+        self.stats.add(puts=stored, put_failures=len(done) - stored)
+        return done
+
+    def load(
+        self, kv_cache: torch.Tensor, block_ids: Sequence[int], block_hashes: Sequence
+    ) -> list[bool]:
+        """Copy each stored block into ``kv_cache[block_ids[i]]``; per block, whether it was
+        loaded. Mutates only the slots of loaded blocks (a miss leaves its slot untouched)."""
+        _check_pairs(block_ids, block_hashes)
+        values = self.store.get_many([self.key(h) for h in block_hashes])
+        shape, loaded = tuple(kv_cache.shape[1:]), []
+        for block_id, value in zip(block_ids, values, strict=True):
+            ok = value is not None and (
+                decode_kv_block(value, self.meta, shape, kv_cache.dtype, out=kv_cache[block_id])
+                is not None
+            )
+            loaded.append(ok)
+        hits, present = sum(loaded), sum(v is not None for v in values)
+        self.stats.add(gets=len(values), hits=hits, rejected=present - hits)
+        if present > hits:
+            logger.warning(
+                "%d stored KV block(s) did not match this model; recomputing", present - hits
+            )
+        return loaded
+
+
+class EncoderOutputIO:
+    """Saves and loads encoder outputs (one embedding tensor per multimodal item)."""
+
+    def __init__(self, store: BlockStore, pool: str, fingerprint: str):
+        self.store, self.pool = store, pool
+        self.meta = EncoderOutputMeta(fingerprint)
+        self.stats = TransferStats()
+
+    def key(self, mm_id: str) -> str:
+        return ec_key(self.pool, self.meta.fingerprint, mm_id)
+
+    def has(self, mm_ids: Sequence[str]) -> list[bool]:
+        """Whether each item's output is stored now; mutates nothing."""
+        return self.store.exists_many([self.key(m) for m in mm_ids])
+
+    def save(self, outputs: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
+        """Store each ``(mm_id, embedding)``; per item, whether it was stored."""
+        done = self.store.put_many(
+            [(self.key(m), encode_encoder_output(t, self.meta)) for m, t in outputs]
+        )
+        self.stats.add(puts=sum(done), put_failures=len(done) - sum(done))
+        return done
+
+    def load(
+        self,
+        mm_ids: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        dtype: torch.dtype,
+        outs: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Each item's embedding (written into ``outs[i]`` when given), ``None`` on a miss."""
+        outs = outs if outs is not None else [None] * len(mm_ids)
+        values = self.store.get_many([self.key(m) for m in mm_ids])
+        result = [
+            decode_encoder_output(v, self.meta, s, dtype, out=o) if v is not None else None
+            for v, s, o in zip(values, shapes, outs, strict=True)
+        ]
+        hits, present = sum(r is not None for r in result), sum(v is not None for v in values)
+        self.stats.add(gets=len(values), hits=hits, rejected=present - hits)
+        return result
+
+
+def _check_pairs(block_ids: Sequence[int], block_hashes: Sequence) -> None:
+    if len(block_ids) != len(block_hashes):
+        raise ValueError(f"{len(block_ids)} block_ids but {len(block_hashes)} block_hashes")
