@@ -1,0 +1,119 @@
+"""The engine core: ``step() = schedule → execute → update`` around one model."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import torch
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
+from epdserve.engine.core.interfaces import EngineCoreOutput
+from epdserve.engine.core.kv_cache_manager import KVCacheManager
+from epdserve.engine.core.request import Request, RequestStatus
+from epdserve.engine.core.scheduler import Scheduler
+from epdserve.engine.models.loader import load_model
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes
+
+DEFAULT_KV_CACHE_CAP = 1 << 30
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        dtype = getattr(torch, config.dtype)
+        device = torch.device(config.device)
+        from epdserve.engine.models.config import load_model_config
+
+        model_cfg = load_model_config(config.model)
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        self.model = load_model(
+            config.model, dtype, device, max(self.max_model_len, model_cfg.max_position_embeddings)
+        )
+        self.num_blocks = self._num_blocks(dtype)
+        self.kv = KVCacheManager(
+            self.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.enable_kv_events,
+        )
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self.runner = ModelRunner(
+            self.model, self.num_blocks, config.block_size, config.max_num_seqs, self.max_model_len
+        )
+        hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
+        self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
+        self.eos_token_ids = model_cfg.eos_token_ids
+        self.step_count = 0
+
+    def _num_blocks(self, dtype: torch.dtype) -> int:
+        cfg = self.config
+        per_block = kv_block_bytes(self.model, cfg.block_size, dtype)
+        if cfg.kv_cache_memory is not None:
+            num = cfg.kv_cache_memory // per_block
+        else:
+            want = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+            num = min(want, DEFAULT_KV_CACHE_CAP // per_block)
+        need = -(-self.max_model_len // cfg.block_size) + 1
+        if num < need:
+            raise ValueError(
+                f"kv_cache_memory: {num} blocks of {per_block} bytes cannot hold one "
+                f"max_model_len={self.max_model_len} sequence (needs {need}); "
+                "raise kv_cache_memory or lower max_model_len"
+            )
+        return int(num)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must contain at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        eos = (
+            req.eos_token_id
+            if req.eos_token_id is not None
+            else (self.eos_token_ids[0] if self.eos_token_ids else None)
+        )
+        self.scheduler.add_request(
+            Request(
+                req.request_id,
+                req.prompt_token_ids,
+                req.sampling_params,
+                eos,
+                self.hasher,
+                req.arrival_time or time.monotonic(),
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        sched = self.scheduler.schedule()
+        result = self.runner.execute_model(sched)
+        self.step_count += 1
+        return self.scheduler.update_from_output(sched, result)
+
+    def take_events(self) -> list:
+        return self.kv.take_events()

@@ -1,0 +1,62 @@
+"""The only objects crossing scheduler ↔ model runner and core ↔ frontend (msgpack-able)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from epdserve.engine.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the runner has not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    req_ids: list[str]
+    new_block_ids: list[list[int]]
+    num_computed_tokens: list[int]
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]  # the runner drops their state (finished or preempted)
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Per position: the top token ids/logprobs (sampled token first) and its rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # empty list: a partial prefill chunk, nothing sampled
+    logprobs: dict[str, Logprobs] = {}
+    prompt_logprobs: dict[str, Logprobs] = {}
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    new_prompt_logprobs: Logprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0

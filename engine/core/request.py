@@ -1,0 +1,84 @@
+"""A request as the engine core sees it (vLLM v1: computed tokens catch up with tokens)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from epdserve.engine.core.hashing import BlockHash, BlockHasher
+from epdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1  # a KV connector is loading its prefix
+    RUNNING = 2
+    PREEMPTED = 3
+    # finished states come after this line
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {4: "stop", 5: "length", 6: "abort"}.get(int(self))
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_id: int | None = None,
+        hasher: BlockHasher | None = None,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.max_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
+        self.block_hashes: list[BlockHash] = []
+        self._hasher = hasher
+        if hasher is not None:
+            hasher.extend(self.block_hashes, self.all_token_ids)
+        # prompt logprobs need every prompt position computed here, never read from cache
+        self.skip_prefix_cache = params.prompt_logprobs is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        if self._hasher is not None:
+            self._hasher.extend(self.block_hashes, self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, computed="
+            f"{self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,227 @@
+"""Token-budget scheduler (vLLM v1): no prefill/decode phases, running requests first.
+
+Each step, every scheduled request's ``num_computed_tokens`` catches up with its tokens
+by up to its share of the budget; long prompts are chunked; when blocks run out the
+lowest-priority running request is preempted (recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from epdserve.engine.core.interfaces import (
+    CachedRequestData,
+    EngineCoreOutput,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from epdserve.engine.core.kv_cache_manager import KVCacheManager
+from epdserve.engine.core.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # to tell the runner next step
+        self.num_preemptions = 0
+
+    # --- requests in and out -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; frees their blocks."""
+        done = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            done.append(request)
+        return done
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[Request] = []
+        cached_reqs: list[Request] = []
+        new_block_ids: dict[str, list[int]] = {}
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if n <= 0:
+                i += 1
+                continue
+            blocks = self.kv.allocate_slots(request, n)
+            while blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim, num_scheduled, cached_reqs)
+                preempted = True
+                if victim is request:
+                    break
+                blocks = self.kv.allocate_slots(request, n)
+            if blocks is None:
+                break
+            cached_reqs.append(request)
+            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            num_scheduled[request.request_id] = n
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, n, num_hit_tokens, hits) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            new_reqs.append(request)
+            num_scheduled[request.request_id] = n
+            budget -= n
+
+        return self._build_output(new_reqs, cached_reqs, new_block_ids, num_scheduled)
+
+    def _preempt(self, victim: Request, num_scheduled: dict, cached_reqs: list) -> None:
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.add(victim.request_id)  # the runner forgets it
+        if victim.request_id in num_scheduled:  # already scheduled this step: undo
+            del num_scheduled[victim.request_id]
+            cached_reqs.remove(victim)
+        self.waiting.appendleft(victim)
+
+    def _build_output(self, new_reqs, cached_reqs, new_block_ids, num_scheduled) -> SchedulerOutput:
+        new_data = [
+            NewRequestData(
+                r.request_id,
+                list(r.all_token_ids),
+                r.params,
+                self.kv.get_block_ids(r.request_id),
+                r.num_computed_tokens,
+                r.num_prompt_tokens,
+            )
+            for r in new_reqs
+        ]
+        cached = CachedRequestData(
+            [r.request_id for r in cached_reqs],
+            [new_block_ids[r.request_id] for r in cached_reqs],
+            [r.num_computed_tokens for r in cached_reqs],
+        )
+        finished = sorted(self.finished_req_ids)
+        self.finished_req_ids.clear()
+        out = SchedulerOutput(
+            new_data, cached, num_scheduled, sum(num_scheduled.values()), finished
+        )
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return out
+
+    # --- after the forward -------------------------------------------------------------
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        for req_id, token_ids in zip(result.req_ids, result.sampled_token_ids, strict=True):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted while its step ran
+            prompt_lp = result.prompt_logprobs.get(req_id)
+            if not token_ids and prompt_lp is None:
+                continue  # a partial prefill chunk
+            if token_ids:
+                request.append_output_token_ids(token_ids)
+                self._check_stop(request)
+            outputs.append(
+                self._make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
+            )
+            if request.is_finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    def _make_output(
+        self,
+        request: Request,
+        token_ids,
+        logprobs: Logprobs | None,
+        prompt_logprobs: Logprobs | None,
+    ) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request.request_id,
+            list(token_ids),
+            logprobs,
+            prompt_logprobs,
+            request.status.finish_reason,
+            request.stop_reason,
+            max(request.num_cached_tokens, 0),
+        )
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+    # --- stats ---------------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)

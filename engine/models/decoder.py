@@ -1,0 +1,117 @@
+"""Decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
+
+Weights are fused at load time (q|k|v, gate|up) so each layer is four matmuls; attention
+goes through the ``epdserve.kernels`` API against the paged, cross-layer KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from epdserve.engine.models.config import ModelConfig
+from epdserve.engine.models.rope import cos_sin_cache
+from epdserve.kernels import paged_attention, reshape_and_cache, rms_norm, rotary_embedding
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch geometry, built by the model runner."""
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [S, MB] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S+1] int32
+
+
+class DecoderLayer:
+    __slots__ = (
+        "qkv_w",
+        "qkv_b",
+        "o_w",
+        "gate_up_w",
+        "down_w",
+        "in_norm",
+        "post_norm",
+        "q_norm",
+        "k_norm",
+    )
+
+    def __init__(self):
+        self.qkv_b = self.q_norm = self.k_norm = None
+
+
+class DecoderLM:
+    """``forward(input_ids, meta, kv_caches) -> hidden``; ``compute_logits(hidden)``."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.layers = [DecoderLayer() for _ in range(config.num_layers)]
+        self.scale = config.head_dim**-0.5
+        self.rope_cache = cos_sin_cache(
+            config.rope, config.head_dim, max_positions, torch.float32
+        ).to(device=device, dtype=dtype)
+        self.embed = self.final_norm = self.lm_head = None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        cfg = self.config
+        h = F.embedding(input_ids, self.embed)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            if residual is None:
+                residual = h
+                x = rms_norm(h, layer.in_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = rms_norm(h, layer.in_norm, cfg.rms_norm_eps, residual)
+            h = self._attention(layer, x, meta, k_cache, v_cache)
+            x, residual = rms_norm(h, layer.post_norm, cfg.rms_norm_eps, residual)
+            gate_up = F.linear(x, layer.gate_up_w)
+            h = F.linear(
+                F.silu(gate_up[:, : cfg.intermediate_size]) * gate_up[:, cfg.intermediate_size :],
+                layer.down_w,
+            )
+        return h + residual  # final norm runs only on the rows that need logits
+
+    def _attention(self, layer: DecoderLayer, x, meta, k_cache, v_cache) -> torch.Tensor:
+        cfg = self.config
+        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+        t = x.shape[0]
+        q = qkv[:, : cfg.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q.contiguous(), layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k.contiguous(), layer.k_norm, cfg.rms_norm_eps)
+        else:
+            q, k = q.contiguous(), k.contiguous()
+        q, k = rotary_embedding(meta.positions, q, k, self.rope_cache, True)
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            sliding_window=cfg.sliding_window,
+        )
+        return F.linear(out.reshape(t, cfg.q_size), layer.o_w)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

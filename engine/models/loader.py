@@ -1,0 +1,83 @@
+"""Load HF safetensors checkpoints (single file or sharded index) into a ``DecoderLM``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from epdserve.engine.models.config import ModelConfig, load_model_config
+from epdserve.engine.models.decoder import DecoderLM
+
+
+class CheckpointReader:
+    """Tensor lookup by name across the checkpoint's safetensors files."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+        if not files:
+            raise ValueError(f"model: no safetensors weights in {model_dir}")
+        self.handles = [safe_open(str(model_dir / f), framework="pt") for f in files]
+        self.where = {name: h for h in self.handles for name in h.keys()}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise ValueError(f"model: checkpoint is missing tensor {name!r}")
+        return self.where[name].get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> DecoderLM:
+    config = load_model_config(model_dir)
+    model = DecoderLM(config, dtype, device, max_positions)
+    reader = CheckpointReader(model_dir)
+    prefix = _prefix(reader)
+
+    def get(name: str) -> torch.Tensor:
+        return reader.get(prefix + name).to(device=device, dtype=dtype).contiguous()
+
+    model.embed = get("embed_tokens.weight")
+    model.final_norm = get("norm.weight")
+    if reader.has("lm_head.weight") and not config.tie_word_embeddings:
+        model.lm_head = reader.get("lm_head.weight").to(device=device, dtype=dtype).contiguous()
+    elif config.tie_word_embeddings:
+        model.lm_head = model.embed
+    else:
+        raise ValueError("model: checkpoint is missing tensor 'lm_head.weight'")
+    for i, layer in enumerate(model.layers):
+        _load_layer(layer, f"layers.{i}.", get, config)
+    return model
+
+
+def _prefix(reader: CheckpointReader) -> str:
+    for candidate in ("model.", "model.language_model.", ""):
+        if reader.has(candidate + "embed_tokens.weight"):
+            return candidate
+    raise ValueError("model: checkpoint is missing tensor 'model.embed_tokens.weight'")
+
+
+def _load_layer(layer, p: str, get, config: ModelConfig) -> None:
+    attn = p + "self_attn."
+    layer.qkv_w = torch.cat([get(attn + f"{x}_proj.weight") for x in "qkv"])
+    if config.qkv_bias:
+        layer.qkv_b = torch.cat([get(attn + f"{x}_proj.bias") for x in "qkv"])
+    layer.o_w = get(attn + "o_proj.weight")
+    if config.qk_norm:
+        layer.q_norm = get(attn + "q_norm.weight")
+        layer.k_norm = get(attn + "k_norm.weight")
+    layer.gate_up_w = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+    layer.down_w = get(p + "mlp.down_proj.weight")
+    layer.in_norm = get(p + "input_layernorm.weight")
+    layer.post_norm = get(p + "post_attention_layernorm.weight")

@@ -1,0 +1,116 @@
+"""Persistent per-request state in preallocated numpy arrays, one row per request.
+
+The step's flat inputs (token ids, positions, slot mapping, block table) are built with a
+fixed number of vectorized numpy operations whatever the batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from epdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    row: int
+    params: SamplingParams
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    logits_indices: torch.Tensor  # flat index of each sampling request's last token
+    sample_req_ids: list[str]
+    order: list[str]  # request ids in batch order
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.states: dict[str, RequestState] = {}
+
+    def add(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        block_ids: list[int],
+        num_computed: int,
+        num_prompt_tokens: int,
+    ) -> None:
+        row = self.free_rows.pop()
+        n = len(token_ids)
+        self.token_ids[row, :n] = token_ids
+        self.num_tokens[row] = n
+        self.num_computed[row] = num_computed
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        self.states[req_id] = RequestState(req_id, row, params, num_prompt_tokens, generator)
+
+    def remove(self, req_id: str) -> None:
+        state = self.states.pop(req_id, None)
+        if state is not None:
+            self.free_rows.append(state.row)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            start = self.num_blocks[row]
+            self.block_table[row, start : start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1
+
+    def prepare(self, num_scheduled: dict[str, int]) -> StepInputs:
+        order = list(num_scheduled)
+        rows = np.fromiter((self.states[r].row for r in order), dtype=np.int64, count=len(order))
+        counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(order))
+        starts = self.num_computed[rows]
+        cu = np.cumsum(counts)
+        total = int(cu[-1])
+        offsets = np.arange(total) - np.repeat(cu - counts, counts)
+        req_idx = np.repeat(rows, counts)
+        positions = np.repeat(starts, counts) + offsets
+        input_ids = self.token_ids[req_idx, positions]
+        bs = self.block_size
+        slots = self.block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = starts + counts
+        max_blocks = int(-(-seq_lens.max() // bs))
+        samples = seq_lens >= self.num_tokens[rows]
+        sample_pos = (cu - 1)[samples]
+        self.num_computed[rows] = seq_lens
+        return StepInputs(
+            input_ids=torch.from_numpy(input_ids),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(slots),
+            block_table=torch.from_numpy(self.block_table[rows, :max_blocks]),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            query_start_loc=torch.from_numpy(np.concatenate([[0], cu]).astype(np.int32)),
+            logits_indices=torch.from_numpy(sample_pos),
+            sample_req_ids=[r for r, s in zip(order, samples, strict=True) if s],
+            order=order,
+        )

@@ -1,0 +1,141 @@
+"""Executes one ``SchedulerOutput``: builds inputs, runs the model, samples.
+
+Owns the KV cache: one preallocated tensor ``[num_blocks, num_layers, 2, block_size,
+kv_heads, head_dim]`` (block-major, cross-layer: one block of every layer is one span);
+the model sees strided per-layer views.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from epdserve.engine.core.interfaces import ModelRunnerOutput, SchedulerOutput
+from epdserve.engine.models.decoder import AttentionMetadata, DecoderLM
+from epdserve.engine.sample.sampler import SamplingRow, compute_logprobs, sample
+from epdserve.engine.worker.input_batch import InputBatch
+
+
+def kv_block_bytes(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderLM,
+        num_blocks: int,
+        block_size: int,
+        max_num_reqs: int,
+        max_model_len: int,
+    ):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.kv_cache = torch.zeros(
+            (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=model.dtype,
+            device=model.device,
+        )
+        self.layer_caches = [
+            (self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(cfg.num_layers)
+        ]
+        self.batch = InputBatch(max_num_reqs, max_model_len, block_size)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.batch.remove(req_id)
+        for new in sched.scheduled_new_reqs:
+            self.batch.add(
+                new.req_id,
+                new.token_ids,
+                new.params,
+                new.block_ids,
+                new.num_computed_tokens,
+                new.num_prompt_tokens,
+            )
+        cached = sched.scheduled_cached_reqs
+        for req_id, block_ids, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            row = self.batch.states[req_id].row
+            self.batch.append_blocks(row, block_ids)
+            self.batch.num_computed[row] = computed
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if not sched.num_scheduled_tokens:
+            return ModelRunnerOutput([], [])
+        inputs = self.batch.prepare(sched.num_scheduled_tokens)
+        meta = AttentionMetadata(
+            inputs.positions,
+            inputs.slot_mapping,
+            inputs.block_table,
+            inputs.seq_lens,
+            inputs.query_start_loc,
+        )
+        hidden = self.model.forward(inputs.input_ids, meta, self.layer_caches)
+        sampled: dict[str, list[int]] = {}
+        logprobs = {}
+        if inputs.sample_req_ids:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            sampled, logprobs = self._sample(logits, inputs.sample_req_ids)
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs)
+        return ModelRunnerOutput(
+            inputs.order, [sampled.get(r, []) for r in inputs.order], logprobs, prompt_logprobs
+        )
+
+    def _sample(self, logits: torch.Tensor, req_ids: list[str]):
+        states = [self.batch.states[r] for r in req_ids]
+        rows = [self._sampling_row(s) for s in states]
+        all_greedy = all(s.params.greedy for s in states)
+        want_lp = [s.params.logprobs for s in states]
+        raw_logprobs = None
+        if any(k is not None for k in want_lp):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = sample(logits, rows, all_greedy)
+        batch_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        token_np = tokens.numpy()
+        self.batch.append_token(batch_rows, token_np)
+        token_list = token_np.tolist()
+        sampled = {r: [t] for r, t in zip(req_ids, token_list, strict=True)}
+        logprobs = {}
+        if raw_logprobs is not None:
+            for i, (req_id, k) in enumerate(zip(req_ids, want_lp, strict=True)):
+                if k is not None:
+                    logprobs[req_id] = compute_logprobs(
+                        raw_logprobs[i : i + 1], tokens[i : i + 1], k
+                    )
+        return sampled, logprobs
+
+    def _sampling_row(self, state) -> SamplingRow:
+        row = SamplingRow(state.params, state.generator)
+        if state.params.needs_penalties:
+            n = int(self.batch.num_tokens[state.row])
+            ids = self.batch.token_ids[state.row, :n].tolist()
+            row.prompt_ids = ids[: state.num_prompt_tokens]
+            row.output_ids = ids[state.num_prompt_tokens :]
+        return row
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs) -> dict:
+        out = {}
+        for i, req_id in enumerate(inputs.order):
+            state = self.batch.states[req_id]
+            k = state.params.prompt_logprobs
+            if k is None:
+                continue
+            start, end = int(inputs.query_start_loc[i]), int(inputs.query_start_loc[i + 1])
+            first_pos = int(inputs.positions[start])
+            # position p predicts prompt token p+1; the last prompt token predicts nothing here
+            last_pos = min(int(inputs.positions[end - 1]), state.num_prompt_tokens - 2)
+            if last_pos < first_pos:
+                continue
+            n = last_pos - first_pos + 1
+            logits = self.model.compute_logits(hidden[start : start + n])
+            targets = torch.from_numpy(
+                self.batch.token_ids[state.row, first_pos + 1 : last_pos + 2].copy()
+            )
+            out[req_id] = compute_logprobs(torch.log_softmax(logits, -1), targets, k)
+        return out
