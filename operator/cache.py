@@ -1,0 +1,101 @@
+"""Pure builders for the operator-managed Redis: Secret, Deployment, Service."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+
+from epdserve.operator import meta
+from epdserve.operator.spec import PoolSpec
+
+REDIS_PORT = 6379
+
+
+def new_password() -> str:
+    """A fresh random Redis password (the only impure helper here; kept out of the builders)."""
+    return secrets.token_urlsafe(24)
+
+
+def build_redis_secret(pool: PoolSpec, password: str) -> dict:
+    """Secret `<pool>-redis` with key `password`; created once, never overwritten."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta.metadata(pool, meta.name_of(pool, "redis"), "redis"),
+        "type": "Opaque",
+        "data": {"password": base64.b64encode(password.encode()).decode()},
+    }
+
+
+def build_redis_deployment(pool: PoolSpec) -> dict:
+    """Deployment `<pool>-redis`: a cache-only redis-server (no persistence) with a password."""
+    name = meta.name_of(pool, "redis")
+    selector = {meta.REDIS_LABEL: pool.name}
+    container = {
+        "name": "redis",
+        "image": pool.cache.redis_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["sh", "-c"],
+        # The password stays out of the pod spec: the shell reads it from the env at start.
+        "args": [
+            'exec redis-server --port 6379 --save "" --appendonly no --dir /data '
+            '--requirepass "$REDIS_PASSWORD"'
+        ],
+        "env": [
+            {
+                "name": "REDIS_PASSWORD",
+                "valueFrom": {"secretKeyRef": {"name": name, "key": "password"}},
+            }
+        ],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "resources": dict(pool.cache.redis_resources),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "securityContext": meta.container_security_context(),
+        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
+        "readinessProbe": {
+            "exec": {
+                "command": ["sh", "-c", 'redis-cli -a "$REDIS_PASSWORD" --no-auth-warning ping']
+            },
+            "periodSeconds": 5,
+        },
+    }
+    labels = {**selector, meta.ROLE_LABEL: "redis", "app.kubernetes.io/name": "epdserve"}
+    labels["app.kubernetes.io/component"] = "redis"
+    return meta.stamp(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta.metadata(pool, name, "redis", "redis"),
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": selector},
+                "strategy": {"type": "Recreate"},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "automountServiceAccountToken": False,
+                        "securityContext": meta.pod_security_context(),
+                        "containers": [container],
+                        "volumes": [{"name": "data", "emptyDir": {}}],
+                    },
+                },
+            },
+        }
+    )
+
+
+def build_redis_service(pool: PoolSpec) -> dict:
+    """Service `<pool>-redis` on port 6379."""
+    return meta.stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta.metadata(pool, meta.name_of(pool, "redis"), "redis", "redis"),
+            "spec": {
+                "selector": {meta.REDIS_LABEL: pool.name},
+                "ports": [
+                    {"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}
+                ],
+            },
+        }
+    )

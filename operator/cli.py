@@ -1,0 +1,48 @@
+"""`epdserve operator`: run the InferencePool operator (kopf, standalone)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `epdserve operator`."""
+    env_ns = [n for n in os.environ.get("EPDSERVE_WATCH_NAMESPACES", "").split(",") if n]
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=env_ns,
+        help="namespace to watch (repeatable; default: $EPDSERVE_WATCH_NAMESPACES, else all)",
+    )
+    parser.add_argument(
+        "--liveness",
+        default=os.environ.get("EPDSERVE_OPERATOR_LIVENESS", "http://0.0.0.0:8080/healthz"),
+        help="liveness endpoint URL ('' to disable)",
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=None,
+        help="drift-repair and status interval (default 30 or $EPDSERVE_OPERATOR_RESYNC_SECONDS)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the operator; returns when it stops (SIGTERM/SIGINT)."""
+    if args.resync_seconds is not None:  # read by main at import
+        os.environ["EPDSERVE_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
+    import kopf
+
+    from epdserve.operator import main  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose)
+    kopf.run(
+        standalone=True,
+        namespaces=args.namespace or None,
+        clusterwide=not args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0

@@ -1,0 +1,49 @@
+"""The whole desired state of a pool as a list of manifests (pure: spec in, dicts out)."""
+
+from __future__ import annotations
+
+from epdserve.operator import cache, engine, meta, router
+from epdserve.operator.spec import ROLES, PoolSpec
+
+# Kinds the operator owns, in apply order (ConfigMap before the pods that read it, RBAC
+# before the router that needs it), as (apiVersion, kind).
+OWNED_KINDS = (
+    ("v1", "ConfigMap"),
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+)
+
+
+def desired_objects(pool: PoolSpec) -> list[dict]:
+    """Every child of the pool except the create-once Redis Secret, in apply order."""
+    config_map = engine.build_config_map(pool)
+    config_hash = meta.digest(config_map["data"])
+    objects = [
+        config_map,
+        router.build_router_service_account(pool),
+        router.build_router_role(pool),
+        router.build_router_role_binding(pool),
+    ]
+    if pool.cache.backend == "redis" and pool.cache.redis_managed:
+        objects += [cache.build_redis_service(pool), cache.build_redis_deployment(pool)]
+    for role in ROLES:
+        if role in pool.roles:
+            objects.append(engine.build_role_service(pool, role))
+            objects.append(engine.build_engine_deployment(pool, role, config_hash))
+    objects += [router.build_router_deployment(pool), router.build_router_service(pool)]
+    if (monitor := router.build_service_monitor(pool)) is not None:
+        objects.append(monitor)
+    return objects
+
+
+def desired_replicas(pool: PoolSpec) -> dict[str, tuple[str, int]]:
+    """Status key -> (Deployment name, desired replicas) for every Deployment of the pool."""
+    out = {role: (meta.name_of(pool, role), pool.roles[role].replicas) for role in pool.roles}
+    out["router"] = (meta.name_of(pool, "router"), pool.router.replicas)
+    if pool.cache.backend == "redis" and pool.cache.redis_managed:
+        out["redis"] = (meta.name_of(pool, "redis"), 1)
+    return out

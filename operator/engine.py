@@ -1,0 +1,264 @@
+"""Pure builders for the engine side: the pool ConfigMap, per-role Deployments and headless
+Services (the pod contract is in docs/operator.md)."""
+
+from __future__ import annotations
+
+import json
+
+from epdserve.operator import meta
+from epdserve.operator.spec import SERVE_ROLE, PoolSpec
+
+# role -> kv_role / ec_role of the connectors (None: the role does not use that connector)
+KV_ROLE = {"colocated": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
+EC_ROLE = {"encoder": "ec_producer", "prefill": "ec_consumer", "decode": "ec_consumer"}
+CONNECTORS = {
+    "redis": ("RedisConnector", "RedisECConnector"),
+    "sharedStorage": ("SharedStorageConnector", "SharedStorageECConnector"),
+}
+
+
+def redis_url(pool: PoolSpec) -> str:
+    """The Redis URL the connectors use (the password is merged in from the env)."""
+    if pool.cache.redis_managed:
+        return f"redis://{meta.name_of(pool, 'redis')}.{pool.namespace}.svc:6379/0"
+    return pool.cache.redis_url or ""
+
+
+def _extra_config(pool: PoolSpec) -> dict:
+    if pool.cache.backend == "redis":
+        return {"url": redis_url(pool)}
+    return {"path": pool.cache.storage_path.rstrip("/") + "/kv"}
+
+
+def kv_transfer_config(pool: PoolSpec, role: str) -> dict | None:
+    """`--kv-transfer-config` of a role, or None when the role moves no KV blocks."""
+    if pool.cache.backend == "none" or role not in KV_ROLE:
+        return None
+    return {
+        "kv_connector": CONNECTORS[pool.cache.backend][0],
+        "kv_role": KV_ROLE[role],
+        "kv_connector_extra_config": _extra_config(pool),
+    }
+
+
+def ec_transfer_config(pool: PoolSpec, role: str) -> dict | None:
+    """`--ec-transfer-config` of a role; only pools with encoder pods move encoder outputs."""
+    if pool.cache.backend == "none" or "encoder" not in pool.roles or role not in EC_ROLE:
+        return None
+    extra = _extra_config(pool)
+    if "path" in extra:
+        extra = {"path": pool.cache.storage_path.rstrip("/") + "/ec"}
+    return {
+        "ec_connector": CONNECTORS[pool.cache.backend][1],
+        "ec_role": EC_ROLE[role],
+        "ec_connector_extra_config": extra,
+    }
+
+
+def kv_events_config(pool: PoolSpec) -> dict:
+    """vLLM's KV-events config; the topic names the pod by IP (expanded by the kubelet)."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{meta.EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{meta.REPLAY_PORT}",
+        "topic": f"kv@$(POD_IP):{meta.HTTP_PORT}@{pool.served_name}",
+    }
+
+
+def build_config_map(pool: PoolSpec) -> dict:
+    """`<pool>-config`: the connector configs of every role and the hash seed."""
+    data = {"hash-seed": pool.hash_seed, "model": pool.model_arg}
+    for role in pool.roles:
+        if (kv := kv_transfer_config(pool, role)) is not None:
+            data[f"kv-transfer-{role}.json"] = json.dumps(kv, sort_keys=True)
+        if (ec := ec_transfer_config(pool, role)) is not None:
+            data[f"ec-transfer-{role}.json"] = json.dumps(ec, sort_keys=True)
+    return meta.stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta.metadata(pool, meta.name_of(pool, "config"), "config"),
+            "data": data,
+        }
+    )
+
+
+def _from_config(name: str, config_map: str, key: str) -> dict:
+    return {"name": name, "valueFrom": {"configMapKeyRef": {"name": config_map, "key": key}}}
+
+
+def redis_password_env(pool: PoolSpec) -> list[dict]:
+    """EPDSERVE_REDIS_PASSWORD from the referenced or the generated Secret (if any)."""
+    if pool.cache.backend != "redis":
+        return []
+    if pool.cache.redis_managed:
+        secret, key = meta.name_of(pool, "redis"), "password"
+    elif pool.cache.redis_secret:
+        secret, key = pool.cache.redis_secret
+    else:
+        return []
+    return [
+        {
+            "name": "EPDSERVE_REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": secret, "key": key}},
+        }
+    ]
+
+
+def downward_env() -> list[dict]:
+    """POD_IP / POD_NAME / POD_NAMESPACE from the downward API (POD_IP first: others expand it)."""
+    fields = (("POD_IP", "status.podIP"), ("POD_NAME", "metadata.name"))
+    fields += (("POD_NAMESPACE", "metadata.namespace"),)
+    return [{"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}} for n, f in fields]
+
+
+def engine_env(pool: PoolSpec, role: str) -> list[dict]:
+    """The environment of an engine container of `role` (the pod contract)."""
+    config_map = meta.name_of(pool, "config")
+    env = downward_env() + [
+        {"name": "EPDSERVE_POOL", "value": pool.name},
+        _from_config("EPDSERVE_HASH_SEED", config_map, "hash-seed"),
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": "/var/cache/huggingface"},
+    ]
+    if pool.kv_events and role != "encoder":  # encoder pods hold no KV cache
+        env.append(
+            {"name": "EPDSERVE_KV_EVENTS_CONFIG", "value": json.dumps(kv_events_config(pool))}
+        )
+    if kv_transfer_config(pool, role) is not None:
+        key = f"kv-transfer-{role}.json"
+        env.append(_from_config("EPDSERVE_KV_TRANSFER_CONFIG", config_map, key))
+    if ec_transfer_config(pool, role) is not None:
+        key = f"ec-transfer-{role}.json"
+        env.append(_from_config("EPDSERVE_EC_TRANSFER_CONFIG", config_map, key))
+    env += redis_password_env(pool)
+    env += [{"name": f"EPDSERVE_{k}", "value": str(v)} for k, v in sorted(pool.tuning.items())]
+    return env + [dict(e) for e in pool.roles[role].env]
+
+
+def engine_command(pool: PoolSpec, role: str) -> list[str]:
+    """`epdserve serve MODEL --role ...` plus the role's extra args."""
+    return [
+        "epdserve",
+        "serve",
+        pool.model_arg,
+        "--role",
+        SERVE_ROLE[role],
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(meta.HTTP_PORT),
+        "--served-model-name",
+        pool.served_name,
+        *pool.roles[role].args,
+    ]
+
+
+def model_volumes(pool: PoolSpec) -> tuple[list[dict], list[dict]]:
+    """(volumes, mounts) for the model PVC (read-only at /models), when the model is on one."""
+    if not pool.model_pvc:
+        return [], []
+    claim = {"claimName": pool.model_pvc[0], "readOnly": True}
+    volume = {"name": "model", "persistentVolumeClaim": claim}
+    return [volume], [{"name": "model", "mountPath": "/models", "readOnly": True}]
+
+
+def _volumes(pool: PoolSpec) -> tuple[list[dict], list[dict]]:
+    volumes = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "hf-cache", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "hf-cache", "mountPath": "/var/cache/huggingface"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    model_vols, model_mounts = model_volumes(pool)
+    volumes += model_vols
+    mounts += model_mounts
+    if pool.cache.backend == "sharedStorage":
+        claim = {"claimName": pool.cache.storage_claim}
+        volumes.append({"name": "shared-cache", "persistentVolumeClaim": claim})
+        mounts.append({"name": "shared-cache", "mountPath": pool.cache.storage_path})
+    return volumes, mounts
+
+
+def _ports(pool: PoolSpec, role: str) -> list[dict]:
+    ports = [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}]
+    if pool.kv_events and role != "encoder":
+        ports.append({"name": "kv-events", "containerPort": meta.EVENTS_PORT, "protocol": "TCP"})
+        ports.append({"name": "kv-replay", "containerPort": meta.REPLAY_PORT, "protocol": "TCP"})
+    return ports
+
+
+def build_engine_deployment(pool: PoolSpec, role: str, config_hash: str = "") -> dict:
+    """The Deployment `<pool>-<role>` running `epdserve serve --role ...`."""
+    spec = pool.roles[role]
+    selector = {meta.POOL_LABEL: pool.name, meta.ROLE_LABEL: role}
+    volumes, mounts = _volumes(pool)
+    container = {
+        "name": "engine",
+        "image": pool.image,
+        "imagePullPolicy": pool.pull_policy,
+        "command": engine_command(pool, role),
+        "env": engine_env(pool, role),
+        "ports": _ports(pool, role),
+        "resources": dict(spec.resources),
+        "volumeMounts": mounts,
+        "securityContext": meta.container_security_context(),
+        "startupProbe": meta.http_probe("/health", period=10, failures=90),
+        "livenessProbe": meta.http_probe("/health", period=10, failures=3),
+        "readinessProbe": meta.http_probe("/ready", period=5, failures=3),
+    }
+    pod_spec = {
+        "automountServiceAccountToken": False,
+        "securityContext": meta.pod_security_context(),
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 60,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if pool.pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in pool.pull_secrets]
+    template_meta = {"labels": meta.labels(pool, "engine", role)}
+    if config_hash:
+        template_meta["annotations"] = {meta.CONFIG_HASH_ANNOTATION: config_hash}
+    return meta.stamp(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta.metadata(pool, meta.name_of(pool, role), "engine", role),
+            "spec": {
+                "replicas": spec.replicas,
+                "selector": {"matchLabels": selector},
+                "strategy": {"type": "RollingUpdate"},
+                "template": {"metadata": template_meta, "spec": pod_spec},
+            },
+        }
+    )
+
+
+def build_role_service(pool: PoolSpec, role: str) -> dict:
+    """Headless Service `<pool>-<role>`: DNS/EndpointSlice discovery of one role's pods."""
+    ports = [
+        {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+        for p in _ports(pool, role)
+    ]
+    return meta.stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta.metadata(pool, meta.name_of(pool, role), "engine", role),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": False,
+                "selector": {meta.POOL_LABEL: pool.name, meta.ROLE_LABEL: role},
+                "ports": ports,
+            },
+        }
+    )

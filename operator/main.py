@@ -1,0 +1,110 @@
+"""kopf handlers for InferencePool (thin: all logic is in reconcile and the pure builders).
+
+Run with `epdserve operator` or `kopf run -m epdserve.operator.main --standalone`.
+`EPDSERVE_OPERATOR_RESYNC_SECONDS` (default 30) sets the drift-repair/status timer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import kopf
+
+from epdserve.operator.kube import Kube, load_configuration
+from epdserve.operator.reconcile import reconcile
+from epdserve.operator.spec import GROUP, PLURAL, VERSION
+
+RESYNC_SECONDS = float(os.environ.get("EPDSERVE_OPERATOR_RESYNC_SECONDS", "30"))
+RETRY_DELAY = float(os.environ.get("EPDSERVE_OPERATOR_RETRY_SECONDS", "5"))
+RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    """Standalone (no peering CRD), annotation-based bookkeeping, bounded backoffs."""
+    settings.peering.standalone = True
+    settings.persistence.finalizer = f"{GROUP}/finalizer"  # used only if a handler needs one
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING  # Events for warnings and our own reports only
+    settings.networking.error_backoffs = [1, 2, 5, 10, 20, 30]
+    settings.networking.request_timeout = 60
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.reconnect_backoff = 1.0
+    settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
+    memo.kube = Kube()
+
+
+@kopf.on.cleanup()
+def close(memo: kopf.Memo, **_) -> None:
+    """Release the API client's connection pool."""
+    if getattr(memo, "kube", None) is not None:
+        memo.kube.close()
+
+
+@kopf.on.login()
+def login(logger: logging.Logger, **_) -> kopf.ConnectionInfo:
+    """Credentials from the pod's ServiceAccount or from $KUBECONFIG (read at start, not import)."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return kopf.login_with_service_account(logger=logger)
+    cfg = load_configuration()
+    token = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
+    scheme, _, token = (token or "").rpartition(" ") if token else ("", "", None)
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme or ("Bearer" if token else None),
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _run(body, patch, memo, logger, announce: bool, in_timer: bool = False) -> None:
+    outcome = reconcile(memo.kube, dict(body), _now(), announce=announce)
+    for change in outcome.changed:
+        logger.info(change)
+    if outcome.status:
+        patch.status.update(outcome.status)
+    for etype, reason, message in outcome.events:
+        kopf.event(body, type=etype, reason=reason, message=message)
+    if outcome.retry == "temporary":
+        raise kopf.TemporaryError(f"API error, will retry: {outcome.error}", delay=RETRY_DELAY)
+    if outcome.retry == "permanent" and not in_timer:
+        # A spec change (or a fixed cluster policy, seen by the resync timer) is needed.
+        raise kopf.PermanentError(outcome.error)
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+def reconcile_pool(body, patch, memo, logger, **_) -> None:
+    """Create/update/resume: apply the whole desired state."""
+    _run(body, patch, memo, logger, announce=True)
+
+
+@kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def resync_pool(body, patch, memo, logger, **_) -> None:
+    """Periodic drift repair (children edited or deleted by hand) and status refresh."""
+    _run(body, patch, memo, logger, announce=False, in_timer=True)
+
+
+@kopf.on.delete(*RESOURCE, optional=True)
+def pool_deleted(name, logger, **_) -> None:
+    """Nothing to undo: owner references let the garbage collector delete the children.
+
+    `optional=True` keeps kopf from adding a finalizer just for this handler.
+    """
+    logger.info("pool %s deleted; children are garbage-collected", name)

@@ -1,0 +1,193 @@
+"""Pure builders for the router: its RBAC, Deployment, the endpoint Service, ServiceMonitor."""
+
+from __future__ import annotations
+
+from epdserve.operator import meta
+from epdserve.operator.engine import downward_env, model_volumes
+from epdserve.operator.spec import PoolSpec
+
+# What the router may do with the API: find the pool's pods (namespaced, read-only).
+ROUTER_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    },
+]
+
+
+def endpoint_url(pool: PoolSpec) -> str:
+    """The pool's OpenAI endpoint inside the cluster."""
+    host = f"{meta.name_of(pool, '')}.{pool.namespace}.svc"
+    return f"http://{host}:{pool.router.service_port}"
+
+
+def router_selector(pool: PoolSpec) -> dict[str, str]:
+    """Router pods carry `epdserve.io/router`, not `epdserve.io/pool`, so their own
+    discovery selector (`epdserve.io/pool=POOL`) finds engine pods only."""
+    return {meta.ROUTER_LABEL: pool.name}
+
+
+def build_router_service_account(pool: PoolSpec) -> dict:
+    """ServiceAccount `<pool>-router`."""
+    return meta.stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": meta.metadata(pool, meta.name_of(pool, "router"), "router"),
+            "automountServiceAccountToken": True,
+        }
+    )
+
+
+def build_router_role(pool: PoolSpec) -> dict:
+    """Role `<pool>-router`: namespaced read access to pods and EndpointSlices."""
+    return meta.stamp(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta.metadata(pool, meta.name_of(pool, "router"), "router"),
+            "rules": [dict(r) for r in ROUTER_RULES],
+        }
+    )
+
+
+def build_router_role_binding(pool: PoolSpec) -> dict:
+    """RoleBinding of the router Role to the router ServiceAccount."""
+    name = meta.name_of(pool, "router")
+    return meta.stamp(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta.metadata(pool, name, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}],
+        }
+    )
+
+
+def router_command(pool: PoolSpec) -> list[str]:
+    """`epdserve router ...` as the pod contract fixes it."""
+    return [
+        "epdserve",
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(meta.HTTP_PORT),
+        "--model",
+        pool.model_arg,
+        "--served-model-name",
+        pool.served_name,
+        "--strategy",
+        pool.router.strategy,
+        "--discovery",
+        "k8s",
+        "--namespace",
+        pool.namespace,
+        "--selector",
+        f"{meta.POOL_LABEL}={pool.name}",
+        "--kv-events-port",
+        str(meta.EVENTS_PORT),
+        "--kv-replay-port",
+        str(meta.REPLAY_PORT),
+    ]
+
+
+def build_router_deployment(pool: PoolSpec) -> dict:
+    """Deployment `<pool>-router`: the cache-aware gateway in front of the engine pods."""
+    router = pool.router
+    model_vols, model_mounts = model_volumes(pool)
+    container = {
+        "name": "router",
+        "image": router.image,
+        "imagePullPolicy": pool.pull_policy,
+        "command": router_command(pool),
+        "env": downward_env()
+        + [
+            {"name": "EPDSERVE_POOL", "value": pool.name},
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "HF_HOME", "value": "/var/cache/huggingface"},
+        ],
+        "ports": [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}],
+        "resources": dict(router.resources),
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "hf-cache", "mountPath": "/var/cache/huggingface"},
+            *model_mounts,
+        ],
+        "securityContext": meta.container_security_context(),
+        "livenessProbe": meta.http_probe("/health", period=10, failures=3, initial=5),
+        "readinessProbe": meta.http_probe("/ready", period=5, failures=3),
+    }
+    pod_spec = {
+        "serviceAccountName": meta.name_of(pool, "router"),
+        "securityContext": meta.pod_security_context(),
+        "containers": [container],
+        "volumes": [
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "hf-cache", "emptyDir": {}},
+            *model_vols,
+        ],
+    }
+    if router.node_selector:
+        pod_spec["nodeSelector"] = dict(router.node_selector)
+    if router.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in router.tolerations]
+    if pool.pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in pool.pull_secrets]
+    pod_labels = {**router_selector(pool), meta.ROLE_LABEL: "router"}
+    pod_labels["app.kubernetes.io/name"] = "epdserve"
+    pod_labels["app.kubernetes.io/component"] = "router"
+    return meta.stamp(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta.metadata(pool, meta.name_of(pool, "router"), "router", "router"),
+            "spec": {
+                "replicas": router.replicas,
+                "selector": {"matchLabels": router_selector(pool)},
+                "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+            },
+        }
+    )
+
+
+def build_router_service(pool: PoolSpec) -> dict:
+    """Service `<pool>`: the pool's endpoint (ClusterIP unless the spec asks otherwise)."""
+    port = {"name": "http", "port": pool.router.service_port, "targetPort": "http"}
+    port["protocol"] = "TCP"
+    return meta.stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta.metadata(pool, meta.name_of(pool, ""), "router", "router"),
+            "spec": {
+                "type": pool.router.service_type,
+                "selector": router_selector(pool),
+                "ports": [port],
+            },
+        }
+    )
+
+
+def build_service_monitor(pool: PoolSpec) -> dict | None:
+    """A prometheus-operator ServiceMonitor scraping engine and router `/metrics`."""
+    if pool.service_monitor is None:
+        return None
+    obj_meta = meta.metadata(pool, meta.name_of(pool, "metrics"), "metrics")
+    obj_meta["labels"].update(pool.service_monitor["labels"])
+    endpoint = {"port": "http", "path": "/metrics", "interval": pool.service_monitor["interval"]}
+    return meta.stamp(
+        {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "ServiceMonitor",
+            "metadata": obj_meta,
+            "spec": {
+                "selector": {"matchLabels": {meta.POOL_LABEL: pool.name}},
+                "namespaceSelector": {"matchNames": [pool.namespace]},
+                "endpoints": [endpoint],
+            },
+        }
+    )

@@ -1,0 +1,233 @@
+"""The InferencePool spec as a typed, validated value (pure: no API calls).
+
+The CRD schema checks types, enums and minimums; :func:`parse_pool` checks what a schema
+cannot say (which roles go together, which cache a role set needs) and raises
+:class:`InvalidSpec` naming the field, before anything is built or applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUP = "epdserve.io"
+VERSION = "v1alpha1"
+PLURAL = "inferencepools"
+KIND = "InferencePool"
+
+ROLES = ("colocated", "encoder", "prefill", "decode")
+# role -> value of `epdserve serve --role`
+SERVE_ROLE = {"colocated": "both", "encoder": "encoder", "prefill": "prefill", "decode": "decode"}
+STRATEGIES = ("round-robin", "least-load", "prefix", "prefix+load")
+
+
+class InvalidSpec(ValueError):
+    """A spec the schema accepts but the operator cannot realise; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role's pods."""
+
+    replicas: int = 1
+    resources: dict = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+    env: tuple[dict, ...] = ()
+    node_selector: dict = field(default_factory=dict)
+    tolerations: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Where pods share KV blocks and encoder outputs."""
+
+    backend: str = "none"  # none | redis | sharedStorage
+    redis_url: str | None = None
+    redis_secret: tuple[str, str] | None = None  # (secret name, key)
+    redis_managed: bool = False
+    redis_image: str = "redis:7.4-alpine"
+    redis_resources: dict = field(default_factory=dict)
+    storage_claim: str | None = None
+    storage_path: str = "/cache"
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The router Deployment and the pool's endpoint Service."""
+
+    replicas: int = 1
+    strategy: str = "prefix+load"
+    image: str = ""
+    resources: dict = field(default_factory=dict)
+    node_selector: dict = field(default_factory=dict)
+    tolerations: tuple[dict, ...] = ()
+    service_type: str = "ClusterIP"
+    service_port: int = 80
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A validated InferencePool: everything the builders need, nothing from the API."""
+
+    name: str
+    namespace: str
+    uid: str
+    served_name: str
+    model_pvc: tuple[str, str] | None  # (claim, path inside)
+    model_path: str | None
+    model_hf: str | None
+    image: str
+    pull_policy: str
+    pull_secrets: tuple[str, ...]
+    tuning: dict  # serve flag (upper snake) -> value, e.g. {"MAX_MODEL_LEN": 4096}
+    roles: dict  # role -> RoleSpec, only the roles present
+    cache: CacheSpec
+    hash_seed: str
+    kv_events: bool
+    router: RouterSpec
+    service_monitor: dict | None  # {"interval": ..., "labels": {...}} when enabled
+
+    @property
+    def model_arg(self) -> str:
+        """The MODEL argument of `epdserve serve` / `--model` of the router."""
+        if self.model_pvc:
+            claim, path = self.model_pvc
+            return "/models/" + path.strip("/") if path.strip("/") else "/models"
+        return self.model_path or self.model_hf or ""
+
+    @property
+    def disaggregated(self) -> bool:
+        return "colocated" not in self.roles
+
+
+def _role(raw: dict) -> RoleSpec:
+    return RoleSpec(
+        replicas=int(raw.get("replicas", 1)),
+        resources=dict(raw.get("resources") or {}),
+        args=tuple(raw.get("args") or ()),
+        env=tuple(raw.get("env") or ()),
+        node_selector=dict(raw.get("nodeSelector") or {}),
+        tolerations=tuple(raw.get("tolerations") or ()),
+    )
+
+
+def _cache(raw: dict) -> CacheSpec:
+    redis = raw.get("redis") or {}
+    storage = raw.get("sharedStorage") or {}
+    ref = redis.get("passwordSecretRef")
+    return CacheSpec(
+        backend=raw.get("backend", "none"),
+        redis_url=redis.get("url"),
+        redis_secret=(ref["name"], ref.get("key", "password")) if ref else None,
+        redis_managed=bool(redis.get("managed", False)),
+        redis_image=redis.get("image", "redis:7.4-alpine"),
+        redis_resources=dict(redis.get("resources") or {}),
+        storage_claim=storage.get("claimName"),
+        storage_path=storage.get("path", "/cache"),
+    )
+
+
+_TUNING = {
+    "dtype": "DTYPE",
+    "maxModelLen": "MAX_MODEL_LEN",
+    "blockSize": "BLOCK_SIZE",
+    "kvCacheMemory": "KV_CACHE_MEMORY",
+    "maxNumSeqs": "MAX_NUM_SEQS",
+}
+
+
+def parse_pool(body: dict[str, Any]) -> PoolSpec:
+    """Turn an InferencePool object (as the API returns it) into a validated PoolSpec."""
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    model = spec.get("model") or {}
+    source = model.get("source") or {}
+    engine = spec.get("engine") or {}
+    roles = {r: _role(v or {}) for r, v in (spec.get("roles") or {}).items() if r in ROLES}
+    cache = _cache(spec.get("cache") or {})
+    router = spec.get("router") or {}
+    service = router.get("service") or {}
+    monitor = (spec.get("metrics") or {}).get("serviceMonitor") or {}
+    if not model.get("name"):
+        raise InvalidSpec("spec.model.name is required")
+    if not engine.get("image"):
+        raise InvalidSpec("spec.engine.image is required")
+    pvc = source.get("pvc")
+    pool = PoolSpec(
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", "default"),
+        uid=meta.get("uid", ""),
+        served_name=model["name"],
+        model_pvc=(pvc["claimName"], pvc.get("path", "")) if pvc else None,
+        model_path=source.get("path"),
+        model_hf=source.get("huggingFace"),
+        image=engine["image"],
+        pull_policy=engine.get("imagePullPolicy", "IfNotPresent"),
+        pull_secrets=tuple(engine.get("imagePullSecrets") or ()),
+        tuning={flag: engine[key] for key, flag in _TUNING.items() if key in engine},
+        roles=roles,
+        cache=cache,
+        hash_seed=str(spec.get("hashSeed") or meta.get("uid") or meta.get("name", "")),
+        kv_events=bool((spec.get("kvEvents") or {}).get("enabled", True)),
+        router=RouterSpec(
+            replicas=int(router.get("replicas", 1)),
+            strategy=router.get("strategy", "prefix+load"),
+            image=router.get("image") or engine["image"],
+            resources=dict(router.get("resources") or {}),
+            node_selector=dict(router.get("nodeSelector") or {}),
+            tolerations=tuple(router.get("tolerations") or ()),
+            service_type=service.get("type", "ClusterIP"),
+            service_port=int(service.get("port", 80)),
+        ),
+        service_monitor=(
+            {
+                "interval": monitor.get("interval", "30s"),
+                "labels": dict(monitor.get("labels") or {}),
+            }
+            if monitor.get("enabled")
+            else None
+        ),
+    )
+    validate(pool)
+    return pool
+
+
+def validate(pool: PoolSpec) -> None:
+    """Raise InvalidSpec for combinations the CRD schema cannot express."""
+    sources = [s for s in (pool.model_pvc, pool.model_path, pool.model_hf) if s]
+    if len(sources) != 1:
+        raise InvalidSpec(
+            f"spec.model.source: set exactly one of pvc, path, huggingFace (found {len(sources)})"
+        )
+    roles = set(pool.roles)
+    if not roles:
+        raise InvalidSpec("spec.roles: declare colocated, or prefill and decode (and encoder)")
+    if "colocated" in roles and roles != {"colocated"}:
+        raise InvalidSpec(
+            "spec.roles: colocated cannot be combined with "
+            + ", ".join(sorted(roles - {"colocated"}))
+        )
+    if "colocated" not in roles and not {"prefill", "decode"} <= roles:
+        missing = sorted({"prefill", "decode"} - roles)
+        raise InvalidSpec(f"spec.roles: a disaggregated pool needs {' and '.join(missing)} too")
+    _validate_cache(pool)
+    if pool.router.strategy not in STRATEGIES:
+        raise InvalidSpec(f"spec.router.strategy: unknown strategy {pool.router.strategy!r}")
+
+
+def _validate_cache(pool: PoolSpec) -> None:
+    cache = pool.cache
+    if pool.disaggregated and cache.backend == "none":
+        raise InvalidSpec(
+            "spec.cache.backend: a disaggregated pool moves KV blocks between pods; "
+            "use redis or sharedStorage"
+        )
+    if cache.backend == "redis":
+        if cache.redis_managed == bool(cache.redis_url):
+            raise InvalidSpec("spec.cache.redis: set exactly one of url or managed: true")
+        if cache.redis_managed and cache.redis_secret:
+            raise InvalidSpec(
+                "spec.cache.redis.passwordSecretRef: the managed Redis generates its own password"
+            )
+    if cache.backend == "sharedStorage" and not cache.storage_claim:
+        raise InvalidSpec("spec.cache.sharedStorage.claimName is required for sharedStorage")
