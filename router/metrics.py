@@ -1,0 +1,99 @@
+"""The router's Prometheus metrics (``epdserve_router:*``), on their own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+P = "epdserve_router:"
+LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 1.0)
+RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+class RouterMetrics:
+    """Every metric the router exports; one instance per router (and per test)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            P + "requests",
+            "Requests routed, by pod and routing reason",
+            ["pod", "reason"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            P + "upstream_errors",
+            "Upstream failures before streaming, by pod and kind",
+            ["pod", "kind"],
+            registry=r,
+        )
+        self.client_errors = Counter(
+            P + "request_failures",
+            "Requests answered with a router error, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.pods = Gauge(P + "pods", "Known pods by state", ["state"], registry=r)
+        self.inflight = Gauge(
+            P + "inflight_requests", "Requests in flight per pod", ["pod"], registry=r
+        )
+        self.index_blocks = Gauge(P + "index_blocks", "Keys held by the prefix index", registry=r)
+        self.index_evictions = Counter(
+            P + "index_evictions", "Keys dropped by the index capacity bound", registry=r
+        )
+        self.events_received = Counter(
+            P + "kv_events_received",
+            "KV events applied, by pod and type",
+            ["pod", "type"],
+            registry=r,
+        )
+        self.events_missed = Counter(
+            P + "kv_event_batches_missed",
+            "Event batches (seq numbers) lost and not replayed",
+            ["pod"],
+            registry=r,
+        )
+        self.events_invalid = Counter(
+            P + "kv_event_batches_invalid",
+            "Event messages that could not be decoded",
+            ["pod"],
+            registry=r,
+        )
+        self.blocks_unindexed = Counter(
+            P + "kv_blocks_unindexed",
+            "Stored blocks not indexed, by reason",
+            ["pod", "reason"],
+            registry=r,
+        )
+        self.replays = Counter(
+            P + "kv_event_replays", "Replay requests, by outcome", ["pod", "outcome"], registry=r
+        )
+        self.decision_latency = Histogram(
+            P + "routing_decision_seconds",
+            "Time to pick a pod (tokenize + lookup + score)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefix_hit_ratio = Histogram(
+            P + "decision_prefix_hit_ratio",
+            "Matched fraction of the prompt's blocks on the chosen pod",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.prefix_blocks = Counter(
+            P + "decision_prefix_blocks",
+            "Prompt blocks of routed requests, by matched or total",
+            ["kind"],
+            registry=r,
+        )
+        self.tokenize_errors = Counter(
+            P + "tokenize_errors",
+            "Prompts that could not be tokenized (routed by load)",
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            P + "scrape_errors", "Failed pod metric scrapes", ["pod"], registry=r
+        )
+
+    def render(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)
