@@ -93,12 +93,15 @@ def _block_ids(block_table: torch.Tensor, rows, num_blocks: int) -> torch.Tensor
 
 
 def _decode_batch(query, lens, args, seqs=None):
-    """One query per sequence: gather every sequence padded to the longest, one SDPA."""
+    """One query per sequence: gather every sequence padded to the longest, one SDPA.
+
+    The ``G = H / KVH`` query heads sharing a kv head act as ``G`` query rows of that
+    head, so SDPA runs without GQA expansion and reads each gathered K/V once.
+    """
     key_cache, value_cache, block_table, scale, window, soft_cap = args
     num_seqs, num_heads, head_dim = query.shape
     bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    max_len = max(lens)
-    nblk = -(-max_len // bs)
+    nblk = -(-max(lens) // bs)
     rows = None if seqs is None else torch.tensor(seqs, device=query.device)
     ids = _block_ids(block_table, rows, nblk)
     k = _gather(key_cache, ids, "k").view(num_seqs, nblk * bs, kv_heads, head_dim)
@@ -108,16 +111,17 @@ def _decode_batch(query, lens, args, seqs=None):
     mask = pos[None, :] < ctx[:, None]
     if window is not None:
         mask &= pos[None, :] > (ctx[:, None] - 1 - window)
-    q = query.unsqueeze(2)  # [S, H, 1, D]
+    q = query.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
     res = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, soft_cap)
-    return res.squeeze(2)
+    return res.view(num_seqs, num_heads, head_dim)
 
 
 def _prefill_one(query, seq: int, ctx: int, args):
     """The last ``q_len`` positions of one sequence attend causally to its ``ctx`` keys."""
     key_cache, value_cache, block_table, scale, window, soft_cap = args
-    q_len, _, head_dim = query.shape
+    q_len, num_heads, head_dim = query.shape
     bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // kv_heads
     ids = _block_ids(block_table[seq : seq + 1], None, -(-ctx // bs))
     k = _gather(key_cache, ids, "k")[:ctx].view(1, ctx, kv_heads, head_dim)
     v = _gather(value_cache, ids, "v")[:ctx].view(1, ctx, kv_heads, head_dim)
@@ -126,27 +130,19 @@ def _prefill_one(query, seq: int, ctx: int, args):
     mask = kpos[None, :] <= qpos[:, None]
     if window is not None:
         mask &= kpos[None, :] > qpos[:, None] - window
-    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-    res = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask[None, None], scale, soft_cap)
-    return res[0].transpose(0, 1)
+    # rows ordered (head-in-group, position): [1, KVH, G * q_len, D]
+    q = query.transpose(0, 1).reshape(1, kv_heads, group * q_len, head_dim)
+    mask = mask.repeat(group, 1)[None, None]
+    res = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale, soft_cap)
+    return res.view(num_heads, q_len, head_dim).transpose(0, 1)
 
 
 def _attend(q, k, v, mask, scale, soft_cap):
-    """``q [B,H,Lq,D]``, ``k/v [B,KVH,Lk,D]``, boolean ``mask`` broadcastable to logits."""
+    """``q [B,KVH,R,D]`` (R rows per kv head), ``k/v [B,KVH,L,D]``, bool ``mask [B,1,R|1,L]``."""
     if soft_cap is None:
-        gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return _attend_soft_capped(q, k, v, mask, scale, soft_cap)
-
-
-def _attend_soft_capped(q, k, v, mask, scale, soft_cap):
-    """Explicit softmax attention (SDPA has no soft cap); logits in fp32."""
-    b, h, lq, d = q.shape
-    kvh = k.shape[1]
-    qg = q.reshape(b, kvh, h // kvh * lq, d).float()
-    logits = torch.matmul(qg, k.float().transpose(-1, -2)) * scale
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    logits = torch.matmul(q.float(), k.float().contiguous().transpose(-1, -2)) * scale
     logits = torch.tanh(logits / soft_cap) * soft_cap
-    logits = logits.view(b, kvh, h // kvh, lq, -1)
-    logits = logits.masked_fill(~mask.view(mask.shape[0], 1, 1, lq, -1), float("-inf"))
-    probs = torch.softmax(logits, dim=-1).view(b, kvh, h // kvh * lq, -1)
-    return torch.matmul(probs, v.float()).view(b, h, lq, d).to(q.dtype)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.matmul(probs, v.float().contiguous()).to(q.dtype)
