@@ -177,3 +177,38 @@ def test_async_wrapper_runs_operations_in_order_and_returns_futures(store, meta,
         assert wrapper.delete_many(["x"]).result(30) == 1
     finally:
         wrapper.close(close_store=False)
+
+
+@pytest.fixture(params=("redis", "shared_storage"))
+def capped_store(request, make_store):
+    """A store that holds about 1 MiB: files with a size cap, Redis with maxmemory + LRU."""
+    if request.param == "shared_storage":
+        yield make_store("shared_storage", max_bytes=1 << 20)
+        return
+    import redis
+
+    store = make_store("redis")
+    client = redis.Redis.from_url(store.config.url)
+    used = client.info("memory")["used_memory"]
+    try:
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        client.config_set("maxmemory", used + (1 << 20))
+        yield store
+    finally:
+        client.config_set("maxmemory", 0)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.close()
+
+
+def test_values_beyond_the_capacity_are_evicted_and_read_as_misses(capped_store):
+    keys = [f"epd:kv:pool:fp:{i:04x}" for i in range(48)]
+    for start in range(0, 48, 4):
+        batch = keys[start : start + 4]
+        assert (
+            capped_store.put_many([(k, bytes([i]) * 65536) for i, k in enumerate(batch)])
+            == [True] * 4
+        )
+    values = capped_store.get_many(keys)
+    assert values[0] is None and values[-1] == bytes([3]) * 65536
+    assert 0 < sum(v is not None for v in values) < 24
+    assert capped_store.stats.put_failures == 0 and capped_store.stats.get_failures == 0
