@@ -81,7 +81,8 @@ class Kube:
         """One API call; returns the decoded JSON body or raises ApiError."""
         from kubernetes.client.exceptions import ApiException
 
-        data = None if body is None else json.dumps(body)
+        # JSON content types are encoded by the client; YAML ones (apply) must arrive as text.
+        data = json.dumps(body) if body is not None and "yaml" in content_type else body
         serialized = self.api.param_serialize(
             method=method,
             resource_path=path,

@@ -58,17 +58,14 @@ def is_subset(want, have) -> bool:
 def apply_object(kube: Kube, obj: dict) -> str:
     """Create or server-side-apply one child; returns created/updated/unchanged/unsupported."""
     m = obj["metadata"]
-    try:
-        live = kube.get(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])
-    except ApiError as exc:
-        if exc.status == 404 and obj["kind"] == "ServiceMonitor":
-            return "unsupported"  # prometheus-operator's CRDs are not installed
-        raise
+    live = kube.get(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])
     if live is None:
         try:
             kube.create(obj)
             return "created"
         except ApiError as exc:
+            if exc.status == 404 and obj["kind"] == "ServiceMonitor":
+                return "unsupported"  # prometheus-operator's CRDs are not installed
             if exc.status != 409:  # 409: someone created it meanwhile; fall through to apply
                 raise
     elif not drifted(live, obj):
