@@ -14,6 +14,9 @@ Layout and semantics (shared with the Triton kernel):
 - ``sliding_window=W``: a query at absolute position ``p`` sees keys in ``(p - W, p]``.
 - ``soft_cap=c``: ``logits = c * tanh(logits / c)`` after scaling by ``scale``.
 - ``block_table`` entries past a sequence's last block are ignored (negative ones included).
+- Cache slots past a sequence's length may be read by the twin's padded decode path and
+  masked out; they must hold finite values (allocate the cache with ``torch.zeros``), since
+  ``0 * nan`` is ``nan``. The Triton kernel never reads them.
 """
 
 from __future__ import annotations

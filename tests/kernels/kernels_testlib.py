@@ -32,13 +32,22 @@ def cross_layer_cache(num_blocks, block_size, kv_heads, head_dim, dtype, layers=
     return kv, kv[:, layer, 0], kv[:, layer, 1]
 
 
-def make_batch(specs, heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
-    """``specs``: list of ``(q_len, ctx_len)``; blocks are assigned in shuffled order."""
+def make_batch(
+    specs, heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0, strided=True
+):
+    """``specs``: list of ``(q_len, ctx_len)``; blocks are assigned in shuffled order.
+
+    The caches are strided per-layer views of a cross-layer cache unless ``strided=False``;
+    unused table entries are -1.
+    """
     gen = torch.Generator().manual_seed(seed)
     nblks = [-(-ctx // block_size) for _, ctx in specs]
     max_blocks = max(nblks) + 1
     num_blocks = sum(nblks) + 2
+    torch.manual_seed(seed)
     _, key_cache, value_cache = cross_layer_cache(num_blocks, block_size, kv_heads, head_dim, dtype)
+    if not strided:
+        key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 = null
     table = torch.full((len(specs), max_blocks), -1, dtype=torch.int32)
     dense_k, dense_v = [], []
@@ -77,3 +86,14 @@ def naive_attention(batch: Batch, scale, sliding_window=None, soft_cap=None):
         logits = logits.masked_fill(~allowed, -math.inf)
         out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, -1), v)
     return out
+
+
+def random_specs(rng, num_seqs, max_ctx):
+    """A mixed batch: decodes, chunked prefills (prefix cached) and full prefills."""
+    specs = []
+    for i in range(num_seqs):
+        ctx = int(rng.integers(1, max_ctx + 1))
+        kind = i % 3
+        q_len = 1 if kind == 0 else ctx if kind == 1 else int(rng.integers(1, ctx + 1))
+        specs.append((q_len, ctx))
+    return specs

@@ -1,0 +1,86 @@
+"""The torch twin of paged attention matches a naive dense causal attention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kernels_testlib import make_batch, naive_attention, random_specs
+
+from epdserve.kernels import paged_attention, paged_attention_ref
+
+MIXED = [(1, 5), (7, 40), (3, 3), (1, 33), (16, 16), (5, 21)]
+DECODE = [(1, 5), (1, 40), (1, 17), (1, 1), (1, 64)]
+
+
+def assert_matches_naive(batch, scale=0.125, window=None, cap=None, atol=2e-5):
+    out = paged_attention_ref(*batch.args(), scale, sliding_window=window, soft_cap=cap)
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    ref = naive_attention(batch, scale, window, cap)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_batch_matches_naive_for_each_gqa_ratio(group, block_size):
+    assert_matches_naive(make_batch(MIXED, 2 * group, 2, 64, block_size))
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_all_decode_batch_matches_naive(group):
+    assert_matches_naive(make_batch(DECODE, 2 * group, 2, 128, 16))
+
+
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize("window", [1, 4, 16, 1000])
+def test_sliding_window_keeps_keys_within_the_window(specs, window):
+    assert_matches_naive(make_batch(specs, 4, 2, 64, 16), window=window)
+
+
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_soft_cap_is_applied_after_scaling(specs):
+    assert_matches_naive(make_batch(specs, 4, 2, 64, 16), scale=0.5, cap=3.0)
+
+
+def test_soft_cap_and_window_combine():
+    assert_matches_naive(make_batch(MIXED, 8, 2, 64, 16), cap=2.0, window=6)
+
+
+def test_contiguous_cache_gives_the_same_result_as_a_strided_view():
+    strided = make_batch(MIXED, 4, 2, 64, 16, seed=3)
+    plain = make_batch(MIXED, 4, 2, 64, 16, seed=3, strided=False)
+    assert not strided.key_cache.is_contiguous() and plain.key_cache.is_contiguous()
+    a = paged_attention_ref(*strided.args(), 0.125)
+    b = paged_attention_ref(*plain.args(), 0.125)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_bf16_twin_is_close_to_fp32_naive():
+    assert_matches_naive(make_batch(MIXED, 8, 2, 64, 16, dtype=torch.bfloat16), atol=3e-2)
+
+
+def test_sequences_without_queries_are_skipped():
+    batch = make_batch([(2, 9), (0, 7), (1, 4)], 4, 2, 64, 16)
+    assert_matches_naive(batch)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mixed_batches_match_naive(seed):
+    rng = np.random.default_rng(seed)
+    group = [1, 2, 4, 8][seed]
+    specs = random_specs(rng, 7, 70)
+    assert_matches_naive(make_batch(specs, 2 * group, 2, 64, [16, 32][seed % 2], seed=seed))
+
+
+def test_public_function_uses_the_twin_on_cpu():
+    batch = make_batch(MIXED, 4, 2, 64, 16)
+    torch.testing.assert_close(
+        paged_attention(*batch.args(), 0.125), paged_attention_ref(*batch.args(), 0.125)
+    )
+
+
+def test_twin_does_not_modify_its_inputs():
+    batch = make_batch(MIXED, 4, 2, 64, 16)
+    before = [t.clone() for t in batch.args()]
+    paged_attention_ref(*batch.args(), 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(before, batch.args(), strict=True))
