@@ -15,6 +15,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -159,11 +160,17 @@ def decode_tensor(
     offset = _check_header(data, name, {**metadata, "dtype": dtype_name(dtype)}, shape, dtype)
     if offset is None or len(data) != offset + nbytes:
         return None
-    view = torch.frombuffer(data, dtype=dtype, count=numel, offset=offset) if numel else None
     if out is None:
         out = torch.empty(shape, dtype=dtype)
-    if view is not None:
-        out.copy_(view.view(shape))
+    if not nbytes:
+        return out
+    if out.device.type == "cpu" and out.is_contiguous():
+        # A plain memcpy: torch's copy_ splits >64K-element copies over OpenMP threads, which
+        # is slower than one core when the engine's own threads are busy.
+        dst = out.view(-1).view(torch.uint8).numpy()
+        np.copyto(dst, np.frombuffer(data, dtype=np.uint8, count=nbytes, offset=offset))
+    else:
+        out.copy_(torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).view(shape))
     return out
 
 

@@ -10,6 +10,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
 from epdserve.connectors.storage.base import BlockStore, CircuitBreaker, StoreStats
@@ -71,6 +72,9 @@ class RedisBlockStore(BlockStore):
             socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.connect_timeout_s,
             retry=Retry(NoBackoff(), 0),  # our breaker decides when to try again
+            # hiredis' packer copies every value into one command buffer; the pure-Python one
+            # sends large values as they are (replies are still parsed by hiredis).
+            command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
         )
         self.client = redis.Redis(connection_pool=self.pool)
 
