@@ -1,0 +1,125 @@
+"""The router's HTTP face: an OpenAI gateway plus /health, /ready and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from epdserve.router.loadstats import scrape_forever
+from epdserve.router.proxy import NoPodAvailable, open_upstream, relay, request_headers
+from epdserve.router.service import Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Timeouts and retry policy of the gateway."""
+
+    connect_timeout: float = 2.0
+    upstream_timeout: float = 600.0
+    max_attempts: int = 3
+    failure_backoff: float = 2.0
+    scrape_interval: float = 1.0
+
+
+def openai_error(status: int, message: str, kind: str) -> JSONResponse:
+    """An error in OpenAI's JSON shape."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(router: Router, settings: ProxySettings, discovery=None) -> FastAPI:
+    """The FastAPI app; background scraping and discovery live in its lifespan."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        timeout = httpx.Timeout(settings.upstream_timeout, connect=settings.connect_timeout)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        app.state.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        if discovery is not None:
+            discovery.start(router)
+        scraper = asyncio.create_task(
+            scrape_forever(app.state.client, router, settings.scrape_interval)
+        )
+        try:
+            yield
+        finally:
+            scraper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scraper
+            if discovery is not None:
+                discovery.stop()
+            await app.state.client.aclose()
+            router.close()
+
+    app = FastAPI(title="epdserve router", lifespan=lifespan)
+
+    async def forward(request: Request, path: str, body: dict) -> Response:
+        content = await request.body()
+        routing = router.route(path, body)
+        try:
+            upstream = await open_upstream(
+                request.app.state.client,
+                router,
+                routing,
+                request.method,
+                path,
+                content,
+                request_headers(request.headers),
+                max(settings.max_attempts, 1),
+                settings.failure_backoff,
+            )
+        except NoPodAvailable as exc:
+            router.metrics.client_errors.labels("no_pod").inc()
+            return openai_error(503, str(exc), "ServiceUnavailableError")
+        return StreamingResponse(
+            relay(router, upstream),
+            status_code=upstream.response.status_code,
+            headers=upstream.headers(),
+        )
+
+    async def generation(request: Request, path: str) -> Response:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = {}  # the engine answers malformed JSON with its own 400
+        return await forward(request, path, body if isinstance(body, dict) else {})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await forward(request, "/v1/models", {})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if router.available():
+            return JSONResponse({"ready": True, "pods": len(router.available())})
+        return JSONResponse({"ready": False, "pods": 0}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        router.metrics.index_blocks.set(len(router.index))
+        return Response(
+            router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    return app

@@ -1,0 +1,110 @@
+"""``epdserve router``: the cache-aware OpenAI gateway (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from epdserve.router.strategy import STRATEGIES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The router's flags (the operator uses exactly these)."""
+    a = parser.add_argument
+    a("--host", default="0.0.0.0", help="address to listen on")
+    a("--port", type=int, default=8000, help="port to listen on")
+    a("--model", default=None, help="model directory: tokenizer.json + chat template")
+    a("--served-model-name", default=None, help="the model name clients use")
+    a("--strategy", default="prefix+load", choices=sorted(STRATEGIES), help="routing strategy")
+    a(
+        "--endpoint",
+        action="append",
+        default=[],
+        help="engine pod http://HOST:PORT[,events=PORT,replay=PORT] (repeat)",
+    )
+    a("--discovery", default="static", choices=("static", "k8s"), help="how pods are found")
+    a("--namespace", default="default", help="k8s discovery: namespace of the pods")
+    a("--selector", default="", help="k8s discovery: label selector of the pods")
+    a("--target-port", type=int, default=8000, help="k8s discovery: the pods' HTTP port")
+    a("--kv-events-port", type=int, default=5557, help="pods publish KV events on this port")
+    a("--kv-replay-port", type=int, default=5558, help="pods' replay port (0: no replay)")
+    a("--index-capacity", type=int, default=1_000_000, help="max blocks in the prefix index")
+    a("--prefix-weight", type=float, default=2.0, help="prefix+load: weight of the prefix")
+    a("--load-weight", type=float, default=1.0, help="prefix+load: weight of queue depth")
+    a("--kv-weight", type=float, default=0.5, help="prefix+load: weight of free KV cache")
+    a("--scrape-interval", type=float, default=1.0, help="seconds between /metrics scrapes")
+    a("--connect-timeout", type=float, default=2.0, help="upstream connect timeout (s)")
+    a("--upstream-timeout", type=float, default=600.0, help="upstream read timeout (s)")
+    a("--max-attempts", type=int, default=3, help="pods tried per request before 503")
+    a("--log-level", default="info", help="python logging level")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Check flag combinations; raises ValueError naming the flag."""
+    if args.discovery == "static" and not args.endpoint:
+        raise ValueError("--endpoint is required with --discovery static")
+    if args.discovery == "k8s" and not args.selector:
+        raise ValueError("--selector is required with --discovery k8s")
+    if args.index_capacity < 1:
+        raise ValueError("--index-capacity must be >= 1")
+    if args.scrape_interval <= 0:
+        raise ValueError("--scrape-interval must be > 0")
+
+
+def build(args: argparse.Namespace):
+    """The FastAPI app for these flags (tests call this too)."""
+    from epdserve.router.app import ProxySettings, build_app
+    from epdserve.router.discovery import KubernetesDiscovery, StaticDiscovery
+    from epdserve.router.index import PrefixIndex
+    from epdserve.router.pods import PodEndpoint
+    from epdserve.router.service import Router
+    from epdserve.router.strategy import make_strategy
+    from epdserve.router.tokenize import PromptTokenizer
+
+    validate(args)
+    weights = {}
+    if args.strategy == "prefix+load":
+        weights = dict(
+            prefix_weight=args.prefix_weight, load_weight=args.load_weight, kv_weight=args.kv_weight
+        )
+    strategy = make_strategy(args.strategy, **weights)
+    tokenizer = PromptTokenizer(args.model) if args.model else None
+    replay = args.kv_replay_port or None
+    router = Router(strategy, tokenizer, args.served_model_name, PrefixIndex(args.index_capacity))
+    if args.discovery == "static":
+        endpoints = [PodEndpoint.parse(u, args.kv_events_port, replay) for u in args.endpoint]
+        discovery = StaticDiscovery(endpoints)
+    else:
+        discovery = KubernetesDiscovery(
+            args.namespace, args.selector, args.target_port, args.kv_events_port, replay
+        )
+    settings = ProxySettings(
+        connect_timeout=args.connect_timeout,
+        upstream_timeout=args.upstream_timeout,
+        max_attempts=args.max_attempts,
+        scrape_interval=args.scrape_interval,
+    )
+    return build_app(router, settings, discovery)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted."""
+    import uvicorn
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        app = build(args)
+    except ValueError as exc:
+        print(f"epdserve router: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+    return 0

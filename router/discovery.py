@@ -1,0 +1,133 @@
+"""Pod discovery: a static ``--endpoint`` list, or Kubernetes Pods by label selector."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from epdserve.router.pods import PodEndpoint
+from epdserve.router.service import Router
+
+log = logging.getLogger(__name__)
+
+
+class StaticDiscovery:
+    """A fixed list of pods, added once at start."""
+
+    def __init__(self, endpoints: list[PodEndpoint]) -> None:
+        self.endpoints = endpoints
+
+    def start(self, router: Router) -> None:
+        """Add every pod."""
+        for endpoint in self.endpoints:
+            router.add_pod(endpoint)
+
+    def stop(self) -> None:
+        """Nothing to stop."""
+
+
+def pod_is_ready(pod) -> bool:
+    """Running, has an IP, not terminating, and its Ready condition is True."""
+    status, meta = pod.status, pod.metadata
+    if meta.deletion_timestamp is not None or status is None or not status.pod_ip:
+        return False
+    if status.phase != "Running":
+        return False
+    return any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+
+
+class KubernetesDiscovery:
+    """Watches Pods matching ``selector`` in ``namespace``; ready pods are routed to."""
+
+    def __init__(
+        self,
+        namespace: str,
+        selector: str,
+        target_port: int,
+        events_port: int,
+        replay_port: int | None,
+        resync_backoff: float = 2.0,
+    ) -> None:
+        self.namespace, self.selector = namespace, selector
+        self.target_port, self.events_port, self.replay_port = target_port, events_port, replay_port
+        self.resync_backoff = resync_backoff
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._watch = None
+        self._known: dict[str, str] = {}  # k8s pod name -> router pod name
+        self.errors = 0
+
+    def start(self, router: Router) -> None:
+        """Start the list+watch thread."""
+        self._thread = threading.Thread(
+            target=self._run, args=(router,), name="k8s-discovery", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (pods stay as they are)."""
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _client(self):
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        return client.CoreV1Api()
+
+    def _run(self, router: Router) -> None:
+        from kubernetes import watch
+
+        api = None
+        while not self._stop.is_set():
+            try:
+                api = api or self._client()
+                listing = api.list_namespaced_pod(self.namespace, label_selector=self.selector)
+                self._sync(router, listing.items)
+                self._watch = watch.Watch()
+                for event in self._watch.stream(
+                    api.list_namespaced_pod,
+                    self.namespace,
+                    label_selector=self.selector,
+                    resource_version=listing.metadata.resource_version,
+                    timeout_seconds=60,
+                ):
+                    if self._stop.is_set():
+                        break
+                    self._on_event(router, event["type"], event["object"])
+            except Exception as exc:  # API down, expired watch: count, back off, relist
+                self.errors += 1
+                router.metrics.client_errors.labels("discovery").inc()
+                log.warning("kubernetes discovery: %s; relisting", exc)
+                self._stop.wait(self.resync_backoff)
+
+    def _endpoint(self, pod) -> PodEndpoint:
+        return PodEndpoint.from_url(
+            f"http://{pod.status.pod_ip}:{self.target_port}", self.events_port, self.replay_port
+        )
+
+    def _sync(self, router: Router, pods) -> None:
+        present = {p.metadata.name for p in pods}
+        for name in list(self._known):
+            if name not in present:
+                router.remove_pod(self._known.pop(name))
+        for pod in pods:
+            self._on_event(router, "MODIFIED", pod)
+
+    def _on_event(self, router: Router, kind: str, pod) -> None:
+        name = pod.metadata.name
+        if kind != "DELETED" and pod_is_ready(pod):
+            endpoint = self._endpoint(pod)
+            old = self._known.get(name)
+            if old is not None and old != endpoint.name:
+                router.remove_pod(old)
+            self._known[name] = endpoint.name
+            router.add_pod(endpoint)
+        elif name in self._known:
+            router.remove_pod(self._known.pop(name))

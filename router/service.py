@@ -1,0 +1,216 @@
+"""The router's state: pods, their event subscribers, the index, and routing decisions."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from epdserve.router.index import PrefixIndex
+from epdserve.router.keys import request_keys
+from epdserve.router.metrics import RouterMetrics
+from epdserve.router.pods import PodEndpoint, PodState
+from epdserve.router.strategy import Candidate, Decision, Strategy
+from epdserve.router.subscriber import PodSubscriber
+from epdserve.router.tokenize import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Pods to try in order, with each pod's matched and the prompt's total blocks."""
+
+    order: list[Decision]
+    matched: dict[str, int]
+    total_blocks: dict[str, int]
+
+
+class Router:
+    """Owns the pods the router knows; thread-safe add/remove (discovery threads)."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        tokenizer: PromptTokenizer | None,
+        served_model_name: str | None = None,
+        index: PrefixIndex | None = None,
+        metrics: RouterMetrics | None = None,
+        subscribe: bool = True,
+    ) -> None:
+        self.strategy, self.tokenizer = strategy, tokenizer
+        self.served_model_name = served_model_name
+        self.index = index or PrefixIndex()
+        self.metrics = metrics or RouterMetrics()
+        self._subscribe = subscribe
+        self._pods: dict[str, PodState] = {}
+        self._subscribers: dict[str, PodSubscriber] = {}
+        self._lock = threading.Lock()
+        self._inflight_pods: set[str] = set()
+        self._evicted_seen = 0
+        self._zmq = zmq.Context()
+
+    # --- pods ----------------------------------------------------------------------------
+
+    def add_pod(self, endpoint: PodEndpoint) -> None:
+        """Start routing to a pod and following its events (idempotent)."""
+        with self._lock:
+            if endpoint.name in self._pods:
+                return
+            self._pods[endpoint.name] = PodState(endpoint)
+        self._start_subscriber(endpoint)
+        log.info("pod %s added (%s)", endpoint.name, endpoint.url)
+        self._update_pod_gauges()
+
+    def remove_pod(self, name: str) -> None:
+        """Stop routing to a pod and drop its index entries."""
+        with self._lock:
+            state = self._pods.pop(name, None)
+        self._stop_subscriber(name)
+        if state is not None:
+            if name in self._inflight_pods:
+                self._inflight_pods.discard(name)
+                self.metrics.inflight.remove(name)
+            log.info("pod %s removed", name)
+        self._update_pod_gauges()
+
+    def set_health(self, name: str, healthy: bool) -> None:
+        """Health checks: an unhealthy pod leaves rotation and the index; it comes back
+        with a fresh subscriber (replay) when healthy again."""
+        with self._lock:
+            state = self._pods.get(name)
+            if state is None or state.healthy == healthy:
+                return
+            state.healthy = healthy
+        if healthy:
+            state.mark_ok()
+            self._start_subscriber(state.endpoint)
+        else:
+            self._stop_subscriber(name)
+        log.warning("pod %s is now %s", name, "healthy" if healthy else "unhealthy")
+        self._update_pod_gauges()
+
+    def pods(self) -> list[PodState]:
+        """A snapshot of every known pod."""
+        with self._lock:
+            return list(self._pods.values())
+
+    def pod(self, name: str) -> PodState | None:
+        return self._pods.get(name)
+
+    def available(self) -> list[PodState]:
+        """Pods a request may go to now."""
+        now = time.monotonic()
+        pods = self.pods()
+        ready = [p for p in pods if p.available(now)]
+        # every healthy pod backing off after a failure: better to try them than refuse
+        return ready or [p for p in pods if p.healthy]
+
+    def _start_subscriber(self, endpoint: PodEndpoint) -> None:
+        if not self._subscribe:
+            return
+        sub = PodSubscriber(
+            endpoint.name, endpoint.events, endpoint.replay, self.index, self.metrics, self._zmq
+        )
+        with self._lock:
+            old = self._subscribers.pop(endpoint.name, None)
+            self._subscribers[endpoint.name] = sub
+        if old is not None:
+            old.stop()
+        sub.start()
+
+    def _stop_subscriber(self, name: str) -> None:
+        with self._lock:
+            sub = self._subscribers.pop(name, None)
+        if sub is not None:
+            sub.stop()
+        self.index.remove_pod(name)
+
+    def track_inflight(self, state: PodState, delta: int) -> None:
+        """A request to ``state``'s pod started (+1) or ended (-1)."""
+        state.inflight += delta
+        self._inflight_pods.add(state.name)
+        self.metrics.inflight.labels(state.name).set(state.inflight)
+
+    def _update_pod_gauges(self) -> None:
+        pods = self.pods()
+        healthy = sum(1 for p in pods if p.healthy)
+        self.metrics.pods.labels("healthy").set(healthy)
+        self.metrics.pods.labels("unhealthy").set(len(pods) - healthy)
+
+    def close(self) -> None:
+        """Stop every subscriber."""
+        for name in list(self._subscribers):
+            self._stop_subscriber(name)
+        self._zmq.destroy(linger=0)
+
+    # --- routing -------------------------------------------------------------------------
+
+    def prompt_ids(self, path: str, body: dict) -> list[int] | None:
+        """The request's prompt token ids, or None if they cannot be computed."""
+        if self.tokenizer is None or not self.strategy.uses_prefix:
+            return None
+        try:
+            if path.endswith("/chat/completions"):
+                return self.tokenizer.chat_ids(body)
+            return self.tokenizer.completion_ids(body)
+        except Exception as exc:  # PromptError, template errors: route by load instead
+            self.metrics.tokenize_errors.inc()
+            log.debug("cannot tokenize prompt: %s", exc)
+            return None
+
+    def route(self, path: str, body: dict) -> Routing:
+        """Rank the available pods for one request."""
+        start = time.perf_counter()
+        pods = self.available()
+        ids = self.prompt_ids(path, body) if pods else None
+        matched, totals = self._match(pods, ids, self._lora(body))
+        candidates = [
+            Candidate(p.name, p.load(), p.kv_usage, matched.get(p.name, 0), totals.get(p.name, 0))
+            for p in pods
+        ]
+        order = self.strategy.rank(candidates)
+        self.metrics.decision_latency.observe(time.perf_counter() - start)
+        return Routing(order, matched, totals)
+
+    def _lora(self, body: dict) -> str | None:
+        model = body.get("model")
+        if self.served_model_name and isinstance(model, str) and model != self.served_model_name:
+            return model
+        return None
+
+    def _match(self, pods: list[PodState], ids: list[int] | None, lora: str | None):
+        if not ids:
+            return {}, {}
+        by_size: dict[int, list[str]] = {}
+        for p in pods:
+            size = self.index.block_size(p.name)
+            if size:
+                by_size.setdefault(size, []).append(p.name)
+        matched: dict[str, int] = {}
+        totals: dict[str, int] = {}
+        for size, names in by_size.items():
+            keys = request_keys(ids, size, lora)
+            matched.update(self.index.match(keys, names))
+            totals.update(dict.fromkeys(names, len(keys)))
+        return matched, totals
+
+    def record(self, routing: Routing, pod: str, attempt: int) -> None:
+        """Metrics for the pod a request finally went to."""
+        first = routing.order[0] if routing.order else None
+        reason = first.reason if first and attempt == 0 else "retry"
+        self.metrics.requests.labels(pod, reason).inc()
+        total = routing.total_blocks.get(pod, 0)
+        if total:
+            hit = routing.matched.get(pod, 0)
+            self.metrics.prefix_hit_ratio.observe(hit / total)
+            self.metrics.prefix_blocks.labels("matched").inc(hit)
+            self.metrics.prefix_blocks.labels("total").inc(total)
+        self.metrics.index_blocks.set(len(self.index))
+        evicted = self.index.evicted
+        if evicted > self._evicted_seen:
+            self.metrics.index_evictions.inc(evicted - self._evicted_seen)
+            self._evicted_seen = evicted

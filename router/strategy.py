@@ -1,0 +1,141 @@
+"""Routing strategies: pick a pod from candidates with prefix matches and load."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One pod as a strategy sees it."""
+
+    name: str
+    load: float  # in-flight / queued requests
+    kv_usage: float  # 0..1
+    matched_blocks: int  # consecutive prefix blocks cached on the pod
+    total_blocks: int  # full blocks in the prompt
+
+    @property
+    def prefix_fraction(self) -> float:
+        return self.matched_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen pod and why (the ``reason`` label of the requests metric)."""
+
+    pod: str
+    reason: str
+
+
+class Strategy:
+    """Orders candidates best first; the proxy tries them in that order."""
+
+    name = ""
+    uses_prefix = False
+
+    def rank(self, candidates: list[Candidate]) -> list[Decision]:
+        """All candidates, best first (never empty when candidates is not)."""
+        raise NotImplementedError
+
+
+class RoundRobin(Strategy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def rank(self, candidates: list[Candidate]) -> list[Decision]:
+        if not candidates:
+            return []
+        ordered = sorted(candidates, key=lambda c: c.name)
+        start = next(self._counter) % len(ordered)
+        rotated = ordered[start:] + ordered[:start]
+        return [Decision(c.name, "round_robin") for c in rotated]
+
+
+class _Tiebreak:
+    """Rotates among equally good pods so ties spread instead of piling on one."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def key(self, candidates: list[Candidate]) -> dict[str, int]:
+        names = sorted(c.name for c in candidates)
+        start = next(self._counter) % max(1, len(names))
+        return {n: (i - start) % len(names) for i, n in enumerate(names)}
+
+
+class LeastLoad(Strategy):
+    name = "least-load"
+
+    def __init__(self) -> None:
+        self._tiebreak = _Tiebreak()
+
+    def rank(self, candidates: list[Candidate]) -> list[Decision]:
+        tie = self._tiebreak.key(candidates)
+        ordered = sorted(candidates, key=lambda c: (c.load, c.kv_usage, tie[c.name]))
+        return [Decision(c.name, "least_load") for c in ordered]
+
+
+class Prefix(Strategy):
+    """Precise prefix affinity: the longest cached prefix wins; load breaks ties."""
+
+    name = "prefix"
+    uses_prefix = True
+
+    def __init__(self) -> None:
+        self._tiebreak = _Tiebreak()
+
+    def rank(self, candidates: list[Candidate]) -> list[Decision]:
+        tie = self._tiebreak.key(candidates)
+        ordered = sorted(candidates, key=lambda c: (-c.matched_blocks, c.load, tie[c.name]))
+        return [Decision(c.name, _reason(c)) for c in ordered]
+
+
+class PrefixLoad(Strategy):
+    """Weighted score: prefix fraction against relative queue depth and KV usage
+    (the shape of llm-d's precise-prefix + load-aware + kv-utilization scorers)."""
+
+    name = "prefix+load"
+    uses_prefix = True
+
+    def __init__(
+        self, prefix_weight: float = 2.0, load_weight: float = 1.0, kv_weight: float = 0.5
+    ):
+        self.weights = (prefix_weight, load_weight, kv_weight)
+        self._tiebreak = _Tiebreak()
+
+    def score(self, c: Candidate, max_load: float) -> float:
+        """Higher is better."""
+        wp, wl, wk = self.weights
+        load = 1.0 - (c.load / max_load if max_load > 0 else 0.0)
+        return wp * c.prefix_fraction + wl * load + wk * (1.0 - min(1.0, max(0.0, c.kv_usage)))
+
+    def rank(self, candidates: list[Candidate]) -> list[Decision]:
+        tie = self._tiebreak.key(candidates)
+        max_load = max((c.load for c in candidates), default=0.0)
+        ordered = sorted(candidates, key=lambda c: (-self.score(c, max_load), c.load, tie[c.name]))
+        return [Decision(c.name, _reason(c)) for c in ordered]
+
+
+def _reason(c: Candidate) -> str:
+    return "prefix_hit" if c.matched_blocks else "no_prefix"
+
+
+STRATEGIES = {
+    "round-robin": RoundRobin,
+    "least-load": LeastLoad,
+    "prefix": Prefix,
+    "prefix+load": PrefixLoad,
+}
+
+
+def make_strategy(name: str, **weights: float) -> Strategy:
+    """The strategy class registered under ``name`` (``--strategy``)."""
+    if name not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {sorted(STRATEGIES)}, got {name!r}")
+    if name == "prefix+load":
+        return PrefixLoad(**weights)
+    return STRATEGIES[name]()
