@@ -172,3 +172,14 @@ def test_a_password_from_the_environment_authenticates(make_store, password_serv
     monkeypatch.setenv("EPDSERVE_REDIS_PASSWORD", "s3cret")
     store = make_store("redis", url=password_server)
     assert store.put_many([("a", b"1")]) == [True] and store.get_many(["a"]) == [b"1"]
+
+
+def test_a_flushed_server_gives_plain_misses(make_store, meta, make_cache):
+    store = make_store("redis")
+    io = KVBlockIO(store, "pool", meta)
+    io.save(make_cache(), [1], [b"\x01"])
+    client = redis.Redis.from_url(store.config.url)
+    client.flushall()
+    client.close()
+    assert io.load(torch.zeros(make_cache().shape), [1], [b"\x01"]) == [False]
+    assert store.stats.get_failures == 0 and io.stats.rejected == 0
