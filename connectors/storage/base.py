@@ -81,14 +81,14 @@ class CircuitBreaker:
 
     def __init__(self, initial_s: float, max_s: float, clock: Callable[[], float] = time.monotonic):
         self.initial_s, self.max_s, self.clock = initial_s, max_s, clock
-        self._delay = 0.0
+        self._failures = 0  # consecutive faults since the last success
         self._down_until = 0.0
         self._lock = threading.Lock()
 
     @property
     def is_down(self) -> bool:
         """Whether a fault has been seen and no success since (a probe may still be allowed)."""
-        return self._delay > 0
+        return self._failures > 0
 
     def allow(self) -> bool:
         """Whether a call may go to the backend now."""
@@ -96,11 +96,12 @@ class CircuitBreaker:
 
     def record_failure(self) -> None:
         with self._lock:
-            self._delay = min(self.max_s, self._delay * 2 if self._delay else self.initial_s)
-            self._down_until = self.clock() + self._delay
+            delay = min(self.max_s, self.initial_s * 2 ** min(self._failures, 32))
+            self._failures += 1
+            self._down_until = self.clock() + delay
 
     def record_success(self) -> bool:
         """Close the breaker; returns whether it had been open (i.e. this is a reconnect)."""
         with self._lock:
-            was_down, self._delay, self._down_until = self._delay > 0, 0.0, 0.0
+            was_down, self._failures, self._down_until = self._failures > 0, 0, 0.0
             return was_down

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -183,3 +184,42 @@ def test_a_flushed_server_gives_plain_misses(make_store, meta, make_cache):
     client.close()
     assert io.load(torch.zeros(make_cache().shape), [1], [b"\x01"]) == [False]
     assert store.stats.get_failures == 0 and io.stats.rejected == 0
+
+
+@pytest.fixture
+def garbage_server():
+    """A TCP server on a free port that answers anything with an HTTP error page."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.05)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                try:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n<html>no</html>\r\n")
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+    stop.set()
+    thread.join(5)
+    server.close()
+
+
+def test_a_server_answering_garbage_gives_misses_and_counts(make_store, garbage_server):
+    store = make_store("redis", url=garbage_server, socket_timeout_s=0.5, backoff_initial_s=0)
+    assert store.get_many(["a", "b"]) == [None, None]
+    assert store.put_many([("a", b"x")]) == [False]
+    assert store.exists_many(["a"]) == [False] and store.delete_many(["a"]) == 0
+    assert store.stats.get_failures == 2 and store.stats.put_failures == 1
+    assert store.breaker.is_down
