@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--discovery", default="static", choices=("static", "k8s"), help="how pods are found")
     a("--namespace", default="default", help="k8s discovery: namespace of the pods")
     a("--selector", default="", help="k8s discovery: label selector of the pods")
+    a("--kubeconfig", default=None, help="k8s discovery: kubeconfig (default: in-cluster)")
     a("--target-port", type=int, default=8000, help="k8s discovery: the pods' HTTP port")
     a("--kv-events-port", type=int, default=5557, help="pods publish KV events on this port")
     a("--kv-replay-port", type=int, default=5558, help="pods' replay port (0: no replay)")
@@ -77,7 +78,12 @@ def build(args: argparse.Namespace):
         discovery = StaticDiscovery(endpoints)
     else:
         discovery = KubernetesDiscovery(
-            args.namespace, args.selector, args.target_port, args.kv_events_port, replay
+            args.namespace,
+            args.selector,
+            args.target_port,
+            args.kv_events_port,
+            replay,
+            kubeconfig=args.kubeconfig,
         )
     settings = ProxySettings(
         connect_timeout=args.connect_timeout,

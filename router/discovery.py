@@ -26,6 +26,33 @@ class StaticDiscovery:
         """Nothing to stop."""
 
 
+def parse_selector(selector: str) -> list[tuple[str, str, str | None]]:
+    """``a=b,c!=d,e`` as (key, op, value) terms (equality-based selectors only)."""
+    terms = []
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        for op in ("!=", "==", "="):
+            key, sep, value = term.partition(op)
+            if sep:
+                terms.append((key.strip(), "!=" if op == "!=" else "=", value.strip()))
+                break
+        else:
+            terms.append((term, "exists", None))
+    return terms
+
+
+def selector_matches(terms: list[tuple[str, str, str | None]], labels: dict | None) -> bool:
+    """Whether labels satisfy every term (re-checked locally: cheap and defensive)."""
+    labels = labels or {}
+    for key, op, value in terms:
+        if op == "exists" and key not in labels:
+            return False
+        if op == "=" and labels.get(key) != value:
+            return False
+        if op == "!=" and labels.get(key) == value:
+            return False
+    return True
+
+
 def pod_is_ready(pod) -> bool:
     """Running, has an IP, not terminating, and its Ready condition is True."""
     status, meta = pod.status, pod.metadata
@@ -47,13 +74,17 @@ class KubernetesDiscovery:
         events_port: int,
         replay_port: int | None,
         resync_backoff: float = 2.0,
+        kubeconfig: str | None = None,
     ) -> None:
         self.namespace, self.selector = namespace, selector
+        self.kubeconfig = kubeconfig
+        self._terms = parse_selector(selector)
         self.target_port, self.events_port, self.replay_port = target_port, events_port, replay_port
         self.resync_backoff = resync_backoff
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch = None
+        self._api = None
         self._known: dict[str, str] = {}  # k8s pod name -> router pod name
         self.errors = 0
 
@@ -69,12 +100,16 @@ class KubernetesDiscovery:
         self._stop.set()
         if self._watch is not None:
             self._watch.stop()
+        if self._api is not None:  # unblock a watch waiting for the next event
+            self._api.api_client.rest_client.pool_manager.clear()
         if self._thread is not None:
             self._thread.join(5)
 
     def _client(self):
         from kubernetes import client, config
 
+        if self.kubeconfig:
+            return client.CoreV1Api(config.new_client_from_config(config_file=self.kubeconfig))
         try:
             config.load_incluster_config()
         except config.ConfigException:
@@ -84,10 +119,9 @@ class KubernetesDiscovery:
     def _run(self, router: Router) -> None:
         from kubernetes import watch
 
-        api = None
         while not self._stop.is_set():
             try:
-                api = api or self._client()
+                api = self._api = self._api or self._client()
                 listing = api.list_namespaced_pod(self.namespace, label_selector=self.selector)
                 self._sync(router, listing.items)
                 self._watch = watch.Watch()
@@ -113,7 +147,9 @@ class KubernetesDiscovery:
         )
 
     def _sync(self, router: Router, pods) -> None:
-        present = {p.metadata.name for p in pods}
+        present = {
+            p.metadata.name for p in pods if selector_matches(self._terms, p.metadata.labels)
+        }
         for name in list(self._known):
             if name not in present:
                 router.remove_pod(self._known.pop(name))
@@ -122,7 +158,8 @@ class KubernetesDiscovery:
 
     def _on_event(self, router: Router, kind: str, pod) -> None:
         name = pod.metadata.name
-        if kind != "DELETED" and pod_is_ready(pod):
+        wanted = selector_matches(self._terms, pod.metadata.labels)
+        if kind != "DELETED" and wanted and pod_is_ready(pod):
             endpoint = self._endpoint(pod)
             old = self._known.get(name)
             if old is not None and old != endpoint.name:
