@@ -201,14 +201,13 @@ def capped_store(request, make_store):
 
 
 def test_values_beyond_the_capacity_are_evicted_and_read_as_misses(capped_store):
-    keys = [f"epd:kv:pool:fp:{i:04x}" for i in range(48)]
+    # Which values go is the backend's choice (Redis' LRU clock has 1 s resolution, so within
+    # this test it is approximate); the exact file LRU order is tested in test_file_store.py.
+    expected = {f"epd:kv:pool:fp:{i:04x}": bytes([i]) * 65536 for i in range(48)}
+    items = list(expected.items())
     for start in range(0, 48, 4):
-        batch = keys[start : start + 4]
-        assert (
-            capped_store.put_many([(k, bytes([i]) * 65536) for i, k in enumerate(batch)])
-            == [True] * 4
-        )
-    values = capped_store.get_many(keys)
-    assert values[0] is None and values[-1] == bytes([3]) * 65536
-    assert 0 < sum(v is not None for v in values) < 24
+        assert capped_store.put_many(items[start : start + 4]) == [True] * 4
+    values = dict(zip(expected, capped_store.get_many(list(expected)), strict=True))
+    present = {k: v for k, v in values.items() if v is not None}
+    assert 0 < len(present) < 24 and all(v == expected[k] for k, v in present.items())
     assert capped_store.stats.put_failures == 0 and capped_store.stats.get_failures == 0
