@@ -32,8 +32,8 @@ class LLM:
 
     def __init__(self, model: str, **kwargs):
         self.config = EngineConfig(model=str(model), **kwargs)
-        self.tokenizer = TokenizerInfo(model)
         self.engine = EngineCore(self.config)
+        self.tokenizer = TokenizerInfo(model)
         self._ids = itertools.count()
 
     def generate(

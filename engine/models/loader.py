@@ -26,7 +26,7 @@ class CheckpointReader:
         if not files:
             raise ValueError(f"model: no safetensors weights in {model_dir}")
         self.handles = [safe_open(str(model_dir / f), framework="pt") for f in files]
-        self.where = {name: h for h in self.handles for name in h.keys()}
+        self.where = {name: h for h in self.handles for name in h.keys()}  # noqa: SIM118
 
     def has(self, name: str) -> bool:
         return name in self.where

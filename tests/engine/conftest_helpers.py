@@ -1,0 +1,61 @@
+"""Engine test helpers: HF reference generations, cached per checkpoint."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+MAX_NEW = 16
+
+
+def make_prompts(n: int, seed: int = 0, shared_prefix: int = 32) -> list[list[int]]:
+    """``n`` prompts of different lengths; every other one starts with a shared prefix."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(10, 4000) for _ in range(shared_prefix)]
+    prompts = []
+    for i in range(n):
+        length = 3 + (i * 97) % 120
+        body = [rng.randrange(10, 4000) for _ in range(length)]
+        prompts.append(prefix + body if i % 2 else body)
+    return prompts
+
+
+class HFReference:
+    """Greedy continuations from transformers, computed once per (checkpoint, dtype)."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def greedy(self, path, prompts, max_new=MAX_NEW, dtype=torch.float32) -> list[list[int]]:
+        from transformers import AutoModelForCausalLM
+
+        key = (str(path), dtype, max_new, tuple(map(tuple, prompts)))
+        if key not in self.cache:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model.generation_config.eos_token_id = None  # compare with ignore_eos=True
+            outs = []
+            with torch.inference_mode():
+                for p in prompts:
+                    ids = torch.tensor([p])
+                    gen = model.generate(
+                        ids,
+                        max_new_tokens=max_new,
+                        do_sample=False,
+                        attention_mask=torch.ones_like(ids),
+                    )
+                    outs.append(gen[0, len(p) :].tolist())
+            self.cache[key] = outs
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> HFReference:
+    return HFReference()
+
+
+def assert_no_leak(llm) -> None:
+    kv = llm.engine.kv
+    assert kv.num_free_blocks() == llm.engine.num_blocks - 1, "KV blocks leaked"
+    kv.pool.check_integrity()

@@ -1,0 +1,68 @@
+"""Greedy outputs equal transformers' token for token (fp32), under every scheduling regime."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest_helpers import MAX_NEW, assert_no_leak, make_prompts
+
+from epdserve.engine import LLM, SamplingParams
+
+ARCHS = ("llama", "qwen2", "qwen3")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+BLOCK_BYTES_TINY = 4 * 2 * 16 * 2 * 32 * 4  # layers * K/V * block * kv heads * head dim * fp32
+
+REGIMES = {
+    "prefix-caching": dict(enable_prefix_caching=True),
+    "no-prefix-caching": dict(enable_prefix_caching=False),
+    "chunked-prefill": dict(max_num_batched_tokens=16),
+    "preemption": dict(kv_cache_memory=14 * BLOCK_BYTES_TINY, max_model_len=192),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_outputs_match_transformers_in_every_regime(models, hf_reference, arch, seed):
+    path = models.get(arch, seed=seed)
+    prompts = make_prompts(8, seed=seed)
+    expected = hf_reference.greedy(path, prompts)
+    for regime, overrides in REGIMES.items():
+        kwargs = {"max_model_len": 512, **overrides}
+        llm = LLM(model=str(path), dtype="float32", **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert got == expected, f"{arch} seed {seed}: mismatch with prefix/regime {regime}"
+        assert_no_leak(llm)
+        if regime == "preemption":
+            assert llm.engine.scheduler.num_preemptions > 0
+        if regime == "prefix-caching":  # again, now served from the prefix cache
+            again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+            assert [o.outputs[0].token_ids for o in again] == expected
+            assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 16)
+            assert_no_leak(llm)
+
+
+@pytest.mark.xfail(
+    reason="bf16 decode attention layout differs from HF's SDPA rounding; under repair",
+    strict=False,
+)
+def test_bf16_first_tokens_agree_on_at_least_95_percent_of_prompts(models, hf_reference):
+    path = models.get("llama", seed=0)
+    prompts = make_prompts(20, seed=5)
+    expected = hf_reference.greedy(path, prompts, dtype=torch.bfloat16)
+    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    agree = sum(o.outputs[0].token_ids == e for o, e in zip(outs, expected, strict=True))
+    assert agree >= 0.95 * len(prompts), f"only {agree}/{len(prompts)} prompts agree"
+    assert_no_leak(llm)
+
+
+def test_second_batch_reports_the_shared_prefix_as_cached(models):
+    path = models.get("qwen3")
+    shared = list(range(100, 164))  # four full 16-token blocks
+    llm = LLM(model=str(path), max_model_len=512)
+    llm.generate([{"prompt_token_ids": shared + [5, 6, 7]}], GREEDY)
+    outs = llm.generate([{"prompt_token_ids": shared + [9, 9, 9 + i]} for i in range(4)], GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [64] * 4
+    assert llm.engine.kv.prefix_hits >= 4 * 64
+    assert_no_leak(llm)
