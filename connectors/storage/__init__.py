@@ -2,8 +2,18 @@
 
 ``BlockStore`` (Redis or shared storage, picked by ``create_store(config)``) moves whole
 values; ``KVBlockIO`` / ``EncoderOutputIO`` turn cache tensors into keyed safetensors values
-and back; ``AsyncBlockStore`` runs the work on background threads. Names are exported lazily
-so that ``import epdserve.connectors.storage.redis_store`` (no torch) stays light.
+and back; ``AsyncBlockStore`` runs that work on background threads. No call raises because
+the backend is down, slow, full, read-only or returns garbage: it is a miss (or ``False``)
+and a counter in ``.stats``. Typical use by a KV connector::
+
+    store = create_store({"url": "redis://cache:6379/0"})  # or {"path": "/cache/kv"}
+    kv_io = KVBlockIO(store, pool, KVBlockMeta(fingerprint(model, dtype), block_size, "sha256_cbor"))
+    n = kv_io.count_cached_prefix(block_hashes)  # scheduler side: blocks available remotely
+    worker = AsyncBlockStore(store)
+    done = worker.submit(kv_io.load, kv_cache, block_ids, block_hashes)  # -> Future[list[bool]]
+    worker.submit(kv_io.save, kv_cache, block_ids, block_hashes)
+
+Names are exported lazily so ``import epdserve.connectors.storage.redis_store`` stays light.
 """
 
 import importlib
