@@ -34,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefix-weight", type=float, default=2.0, help="prefix+load: weight of the prefix")
     a("--load-weight", type=float, default=1.0, help="prefix+load: weight of queue depth")
     a("--kv-weight", type=float, default=0.5, help="prefix+load: weight of free KV cache")
+    a(
+        "--speculative-ttl",
+        type=float,
+        default=2.0,
+        help="s a routed prompt counts as cached on its pod before its events arrive (0: off)",
+    )
+    a("--block-size", type=int, default=16, help="pods' block size until their events say")
     a("--scrape-interval", type=float, default=1.0, help="seconds between /metrics scrapes")
     a("--connect-timeout", type=float, default=2.0, help="upstream connect timeout (s)")
     a("--upstream-timeout", type=float, default=600.0, help="upstream read timeout (s)")
@@ -49,6 +56,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--selector is required with --discovery k8s")
     if args.index_capacity < 1:
         raise ValueError("--index-capacity must be >= 1")
+    if args.block_size < 1:
+        raise ValueError("--block-size must be >= 1")
     if args.scrape_interval <= 0:
         raise ValueError("--scrape-interval must be > 0")
 
@@ -72,7 +81,14 @@ def build(args: argparse.Namespace):
     strategy = make_strategy(args.strategy, **weights)
     tokenizer = PromptTokenizer(args.model) if args.model else None
     replay = args.kv_replay_port or None
-    router = Router(strategy, tokenizer, args.served_model_name, PrefixIndex(args.index_capacity))
+    router = Router(
+        strategy,
+        tokenizer,
+        args.served_model_name,
+        PrefixIndex(args.index_capacity),
+        speculative_ttl=args.speculative_ttl,
+        default_block_size=args.block_size,
+    )
     if args.discovery == "static":
         endpoints = [PodEndpoint.parse(u, args.kv_events_port, replay) for u in args.endpoint]
         discovery = StaticDiscovery(endpoints)

@@ -136,6 +136,8 @@ class KubernetesDiscovery:
                         break
                     self._on_event(router, event["type"], event["object"])
             except Exception as exc:  # API down, expired watch: count, back off, relist
+                if self._stop.is_set():
+                    break
                 self.errors += 1
                 router.metrics.client_errors.labels("discovery").inc()
                 log.warning("kubernetes discovery: %s; relisting", exc)

@@ -12,6 +12,7 @@ import zmq
 from epdserve.router.index import PrefixIndex
 from epdserve.router.keys import request_keys
 from epdserve.router.metrics import RouterMetrics
+from epdserve.router.pending import PendingPrefixes
 from epdserve.router.pods import PodEndpoint, PodState
 from epdserve.router.strategy import Candidate, Decision, Strategy
 from epdserve.router.subscriber import PodSubscriber
@@ -27,6 +28,7 @@ class Routing:
     order: list[Decision]
     matched: dict[str, int]
     total_blocks: dict[str, int]
+    keys: dict[str, list[int]]  # pod -> the prompt's block keys at that pod's block size
 
 
 class Router:
@@ -40,12 +42,16 @@ class Router:
         index: PrefixIndex | None = None,
         metrics: RouterMetrics | None = None,
         subscribe: bool = True,
+        speculative_ttl: float = 2.0,
+        default_block_size: int = 16,
     ) -> None:
         self.strategy, self.tokenizer = strategy, tokenizer
         self.served_model_name = served_model_name
         self.index = index or PrefixIndex()
         self.metrics = metrics or RouterMetrics()
         self._subscribe = subscribe
+        self.default_block_size = default_block_size  # until a pod's events tell its own
+        self.pending = PendingPrefixes(speculative_ttl)
         self._pods: dict[str, PodState] = {}
         self._subscribers: dict[str, PodSubscriber] = {}
         self._lock = threading.Lock()
@@ -70,6 +76,7 @@ class Router:
         with self._lock:
             state = self._pods.pop(name, None)
         self._stop_subscriber(name)
+        self.pending.remove_pod(name)
         if state is not None:
             if name in self._inflight_pods:
                 self._inflight_pods.discard(name)
@@ -167,14 +174,14 @@ class Router:
         start = time.perf_counter()
         pods = self.available()
         ids = self.prompt_ids(path, body) if pods else None
-        matched, totals = self._match(pods, ids, self._lora(body))
+        matched, totals, keys = self._match(pods, ids, self._lora(body))
         candidates = [
             Candidate(p.name, p.load(), p.kv_usage, matched.get(p.name, 0), totals.get(p.name, 0))
             for p in pods
         ]
         order = self.strategy.rank(candidates)
         self.metrics.decision_latency.observe(time.perf_counter() - start)
-        return Routing(order, matched, totals)
+        return Routing(order, matched, totals, keys)
 
     def _lora(self, body: dict) -> str | None:
         model = body.get("model")
@@ -184,25 +191,29 @@ class Router:
 
     def _match(self, pods: list[PodState], ids: list[int] | None, lora: str | None):
         if not ids:
-            return {}, {}
+            return {}, {}, {}
         by_size: dict[int, list[str]] = {}
         for p in pods:
-            size = self.index.block_size(p.name)
-            if size:
-                by_size.setdefault(size, []).append(p.name)
+            size = self.index.block_size(p.name) or self.default_block_size
+            by_size.setdefault(size, []).append(p.name)
         matched: dict[str, int] = {}
         totals: dict[str, int] = {}
+        pod_keys: dict[str, list[int]] = {}
         for size, names in by_size.items():
             keys = request_keys(ids, size, lora)
-            matched.update(self.index.match(keys, names))
+            found = self.index.match(keys, names)
+            expected = self.pending.match(keys, names)
+            matched.update({n: max(found[n], expected[n]) for n in names})
             totals.update(dict.fromkeys(names, len(keys)))
-        return matched, totals
+            pod_keys.update(dict.fromkeys(names, keys))
+        return matched, totals, pod_keys
 
     def record(self, routing: Routing, pod: str, attempt: int) -> None:
         """Metrics for the pod a request finally went to."""
         first = routing.order[0] if routing.order else None
         reason = first.reason if first and attempt == 0 else "retry"
         self.metrics.requests.labels(pod, reason).inc()
+        self.pending.add(pod, routing.keys.get(pod, []))
         total = routing.total_blocks.get(pod, 0)
         if total:
             hit = routing.matched.get(pod, 0)

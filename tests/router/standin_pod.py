@@ -2,7 +2,7 @@
 server with a simulated prefix cache that publishes real KV events.
 
 Not a model: it tokenizes the prompt, pretends to prefill the uncached blocks (sleeping
-``--prefill-s-per-block`` per block), keeps an LRU of ``--num-blocks`` block hashes,
+``--prefill-s-per-block`` per block, one prompt at a time), keeps an LRU of ``--num-blocks`` block hashes,
 publishes BlockStored/BlockRemoved through our ZmqEventPublisher and exports vLLM's
 metric names. Run: ``python standin_pod.py --port P --events-port E --replay-port R --model DIR``.
 """
@@ -76,6 +76,7 @@ def build(args) -> FastAPI:
     )
     cache = Cache(args.num_blocks, args.block_size, publisher)
     state = {"running": 0}
+    busy = asyncio.Lock()  # one prefill at a time, like an engine's step loop
     app = FastAPI(on_shutdown=[publisher.close])
 
     def prompt_ids(path: str, body: dict) -> list[int]:
@@ -92,7 +93,8 @@ def build(args) -> FastAPI:
         ids = prompt_ids(path, body)
         state["running"] += 1
         try:
-            await asyncio.sleep(cache.admit(ids) * args.prefill_s_per_block)
+            async with busy:
+                await asyncio.sleep(cache.admit(ids) * args.prefill_s_per_block)
         finally:
             state["running"] -= 1
         n = int(body.get("max_tokens", 4))

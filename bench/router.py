@@ -1,0 +1,380 @@
+"""Router benchmarks: event ingest rate, prefix lookup latency, and routing quality.
+
+Prints one JSON object:
+  * ``ingest``: KV-event batches (msgpack payloads as pods send them) decoded and applied
+    to a PrefixIndex; block-events/s (target >= 200k).
+  * ``lookup``: request keys + longest-prefix match for a 4k-token prompt over an index of
+    100k blocks on 4 pods; p50/p99 ms (target p99 <= 2 ms).
+  * ``routing``: one shared-prefix multi-tenant workload through the real router, once per
+    strategy (round-robin, least-load, prefix+load), over the same pods with small KV caches:
+    prefix-hit rate (pods' vllm:prefix_cache_hits/queries) vs the oracle's, TTFT p50/p90,
+    throughput. Pods are ``epdserve serve`` processes, or ``--pods standin`` (a simulated
+    prefix cache, for exercising the harness only; its times are not an engine's).
+
+    .venv/bin/python bench/router.py [--quick] [--skip-routing] [--pods serve|standin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from epdserve.connectors.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventDecoder,
+    EventEncoder,
+)
+from epdserve.router.index import PrefixIndex
+from epdserve.router.keys import request_keys
+
+BS = 16
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def chain_payloads(rng: random.Random, prompts: int, blocks: int, per_event: int) -> list[bytes]:
+    """Each prompt: ``blocks`` chained blocks announced ``per_event`` per BlockStored,
+    then its last half removed (one hash per BlockRemoved, as vLLM sends them)."""
+    enc, payloads = EventEncoder(), []
+    for _ in range(prompts):
+        parent, hashes = None, []
+        for _ in range(blocks // per_event):
+            hs = [rng.getrandbits(64) for _ in range(per_event)]
+            toks = [rng.randrange(32000) for _ in range(per_event * BS)]
+            ev = BlockStored(
+                hs, parent, toks, BS, None, "GPU", None, [None] * per_event, 0, "full_attention"
+            )
+            payloads.append(enc.encode(EventBatch(time.time(), [ev], 0)))
+            parent, hashes = hs[-1], hashes + hs
+        removed = [BlockRemoved([h], "GPU", 0) for h in reversed(hashes[blocks // 2 :])]
+        payloads.append(enc.encode(EventBatch(time.time(), removed, 0)))
+    return payloads
+
+
+def bench_ingest(quick: bool) -> dict:
+    rng = random.Random(0)
+    prompts = 500 if quick else 3000
+    payloads = chain_payloads(rng, prompts, blocks=32, per_event=16)
+    block_events = prompts * (32 + 16)
+    decoder, index = EventDecoder(), PrefixIndex(capacity=10_000_000)
+    pods = [f"pod{i}" for i in range(4)]
+    t0 = time.perf_counter()
+    for i, payload in enumerate(payloads):
+        index.apply(pods[(i // 3) % 4], decoder.decode(payload))
+    seconds = time.perf_counter() - t0
+    return {
+        "block_events": block_events,
+        "seconds": round(seconds, 3),
+        "block_events_per_s": round(block_events / seconds),
+        "target_block_events_per_s": 200_000,
+        "index_blocks_after": len(index),
+    }
+
+
+def bench_lookup(quick: bool) -> dict:
+    rng = random.Random(1)
+    prompt_blocks = 4096 // BS
+    index, enc, dec = PrefixIndex(capacity=2_000_000), EventEncoder(), EventDecoder()
+    prompts = []
+    while len(index) < 100_000:
+        toks = [rng.randrange(32000) for _ in range(4096)]
+        hs = [rng.getrandbits(64) for _ in range(prompt_blocks)]
+        ev = BlockStored(hs, None, toks, BS, None, "GPU", None, [None] * prompt_blocks, 0)
+        index.apply(f"pod{len(prompts) % 4}", dec.decode(enc.encode(EventBatch(0.0, [ev], 0))))
+        prompts.append(toks)
+    pods = [f"pod{i}" for i in range(4)]
+    full, match_only = [], []
+    for i in range(200 if quick else 2000):
+        toks = prompts[rng.randrange(len(prompts))]
+        if i % 2:  # a miss after a random cut: a new suffix
+            cut = rng.randrange(prompt_blocks) * BS
+            toks = toks[:cut] + [rng.randrange(32000) for _ in range(4096 - cut)]
+        t0 = time.perf_counter()
+        keys = request_keys(toks, BS)
+        t1 = time.perf_counter()
+        index.match(keys, pods)
+        t2 = time.perf_counter()
+        full.append((t2 - t0) * 1e3)
+        match_only.append((t2 - t1) * 1e3)
+    return {
+        "indexed_blocks": len(index),
+        "prompt_tokens": 4096,
+        "p50_ms": round(percentile(full, 0.5), 4),
+        "p99_ms": round(percentile(full, 0.99), 4),
+        "match_only_p99_ms": round(percentile(match_only, 0.99), 4),
+        "target_p99_ms": 2.0,
+    }
+
+
+# --- routing quality over real pods -------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+STRATEGIES = ("round-robin", "least-load", "prefix+load")
+TENANTS, PREFIX_WORDS, SUFFIX_WORDS, CONCURRENCY, MAX_TOKENS = 6, 150, 30, 6, 8
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "kernel",
+    "tensor",
+    "block",
+    "cache",
+    "prefix",
+    "query",
+    "value",
+    "token",
+    "layer",
+]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def workload(requests: int) -> list[str]:
+    rng = random.Random(7)
+    prefixes = [
+        " ".join(random.Random(t).choice(WORDS) for _ in range(PREFIX_WORDS))
+        for t in range(TENANTS)
+    ]
+    weights = [1 / (t + 1) for t in range(TENANTS)]  # a few hot tenants, a long tail
+    out = []
+    for _ in range(requests):
+        t = rng.choices(range(TENANTS), weights)[0]
+        out.append(prefixes[t] + " " + " ".join(rng.choice(WORDS) for _ in range(SUFFIX_WORDS)))
+    return out
+
+
+def oracle_hit_rate(model_dir: Path, prompts: list[str]) -> float:
+    """One infinite cache: every full block seen before is a hit."""
+    from epdserve.router.tokenize import PromptTokenizer
+
+    tok, seen, hits, total = PromptTokenizer(model_dir), set(), 0, 0
+    for prompt in prompts:
+        ids = tok.completion_ids({"prompt": prompt})
+        keys = request_keys(ids[:-1], BS)  # the last token is always computed
+        n = next((i for i, k in enumerate(keys) if k not in seen), len(keys))
+        hits, total = hits + n * BS, total + len(ids)
+        seen.update(keys)
+    return hits / total
+
+
+def start_pod(args, model_dir: Path, logs: Path) -> tuple[subprocess.Popen, str]:
+    port, events, replay = free_port(), free_port(), free_port()
+    if args.pods == "standin":
+        cmd = [sys.executable, str(ROOT / "tests/router/standin_pod.py"), "--model", str(model_dir)]
+        cmd += ["--port", str(port), "--events-port", str(events), "--replay-port", str(replay)]
+        cmd += ["--num-blocks", str(args.num_blocks), "--prefill-s-per-block", "0.004"]
+    else:
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": f"kv@127.0.0.1:{port}@tiny",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "epdserve.engine.cli",
+            "serve",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--kv-events-config",
+            json.dumps(config),
+            "--block-size",
+            str(BS),
+            "--num-gpu-blocks-override",
+            str(args.num_blocks),
+            *args.serve_args.split(),
+        ]
+    log = open(logs / f"pod-{port}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port},events={events},replay={replay}"
+
+
+def wait_up(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a process exited during start-up")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not up in {timeout}s")
+
+
+async def drive(router_url: str, prompts: list[str]) -> dict:
+    ttfts, queue = [], list(prompts)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while queue:
+            body = {
+                "model": "tiny",
+                "prompt": queue.pop(0),
+                "max_tokens": MAX_TOKENS,
+                "stream": True,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            t0 = time.perf_counter()
+            async with client.stream("POST", router_url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                first = None
+                async for _ in r.aiter_raw():
+                    first = first or time.perf_counter()
+            ttfts.append((first or time.perf_counter()) - t0)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=300) as client:
+        await asyncio.gather(*(worker(client) for _ in range(CONCURRENCY)))
+    wall = time.perf_counter() - t0
+    return {
+        "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1e3, 1),
+        "ttft_p90_ms": round(percentile(ttfts, 0.9) * 1e3, 1),
+        "requests_per_s": round(len(prompts) / wall, 2),
+        "output_tokens_per_s": round(len(prompts) * MAX_TOKENS / wall, 1),
+    }
+
+
+def pod_counters(urls: list[str]) -> tuple[float, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hits = queries = 0.0
+    for url in urls:
+        for fam in text_string_to_metric_families(
+            httpx.get(url.split(",")[0] + "/metrics", timeout=5).text
+        ):
+            for s in fam.samples:
+                hits += s.value if s.name == "vllm:prefix_cache_hits_total" else 0
+                queries += s.value if s.name == "vllm:prefix_cache_queries_total" else 0
+    return hits, queries
+
+
+def run_strategy(args, strategy: str, model_dir: Path, prompts: list[str], logs: Path) -> dict:
+    procs, specs = [], []
+    try:
+        for _ in range(args.num_pods):  # fresh pods: every strategy starts from cold caches
+            proc, spec = start_pod(args, model_dir, logs)
+            procs.append(proc)
+            specs.append(spec)
+        for spec in specs:
+            wait_up(spec.split(",")[0] + "/health", procs)
+        port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "epdserve.engine.cli",
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "tiny",
+            "--strategy",
+            strategy,
+            "--log-level",
+            "warning",
+        ]
+        for spec in specs:
+            cmd += ["--endpoint", spec]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_up(f"http://127.0.0.1:{port}/ready", procs, 60)
+        hits0, queries0 = pod_counters(specs)
+        result = asyncio.run(drive(f"http://127.0.0.1:{port}", prompts))
+        hits1, queries1 = pod_counters(specs)
+        result["prefix_hit_rate"] = round((hits1 - hits0) / max(1.0, queries1 - queries0), 4)
+        return result
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def bench_routing(args) -> dict:
+    from epdserve.engine.make_model import make_model
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(tmp)
+        try:
+            model_dir = Path(make_model("llama", logs / "model", 0, args.preset))
+            prompts = workload(args.requests)
+            out = {
+                "pods": args.pods,
+                "num_pods": args.num_pods,
+                "kv_blocks_per_pod": args.num_blocks,
+                "requests": args.requests,
+                "concurrency": CONCURRENCY,
+                "oracle_hit_rate": round(oracle_hit_rate(model_dir, prompts), 4),
+            }
+            for strategy in STRATEGIES:
+                out[strategy] = run_strategy(args, strategy, model_dir, prompts, logs)
+        except Exception as exc:  # no serve in this build, a pod that crashed: say so in the JSON
+            tails = [p.read_text()[-400:] for p in sorted(logs.glob("pod-*.log"))[:1]]
+            return {"skipped": f"{type(exc).__name__}: {exc}", "pod_log_tail": tails}
+    rr, pl = out["round-robin"], out["prefix+load"]
+    out["ttft_p90_speedup_prefix_load_vs_round_robin"] = round(
+        rr["ttft_p90_ms"] / max(pl["ttft_p90_ms"], 1e-9), 2
+    )
+    out["prefix_load_hit_rate_vs_oracle"] = round(
+        pl["prefix_hit_rate"] / max(out["oracle_hit_rate"], 1e-9), 3
+    )
+    out["targets"] = {"ttft_p90_speedup": 3.0, "hit_rate_vs_oracle": 0.8}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller sizes (CI smoke)")
+    p.add_argument("--skip-routing", action="store_true", help="only ingest and lookup")
+    p.add_argument("--pods", choices=("serve", "standin"), default="serve")
+    p.add_argument("--num-pods", type=int, default=3)
+    p.add_argument("--preset", default="small", help="make-model preset of the served model")
+    p.add_argument("--num-blocks", type=int, default=96, help="KV blocks per pod (small caches)")
+    p.add_argument("--requests", type=int, default=128, help="requests per strategy")
+    p.add_argument("--serve-args", default="", help="extra flags for epdserve serve")
+    args = p.parse_args()
+    result = {"ingest": bench_ingest(args.quick), "lookup": bench_lookup(args.quick)}
+    if not args.skip_routing:
+        result["routing"] = bench_routing(args)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
