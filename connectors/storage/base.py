@@ -6,23 +6,14 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 
-@dataclass
-class StoreStats:
-    """Monotonic counters of one store (the engine exports them as Prometheus counters)."""
+class Counters:
+    """Thread-safe monotonic integer counters (the dataclass fields of a subclass)."""
 
-    puts: int = 0  # values stored
-    put_failures: int = 0  # values not stored: backend down/slow, read-only, full, too large
-    gets: int = 0  # keys looked up by get_many
-    hits: int = 0  # keys that returned a value
-    get_failures: int = 0  # keys not read because of a backend fault (also returned as misses)
-    rejected: int = 0  # values read back but refused (over the size limit, wrong type)
-    skipped: int = 0  # keys not even tried because the backend is marked down
-    reconnects: int = 0  # recoveries after the backend had been marked down
-    evictions: int = 0  # values this store evicted itself (size cap)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -31,7 +22,22 @@ class StoreStats:
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+            return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class StoreStats(Counters):
+    """Counters of one store (the engine exports them as Prometheus counters)."""
+
+    puts: int = 0  # values stored
+    put_failures: int = 0  # values not stored: backend down/slow, read-only, full, too large
+    gets: int = 0  # keys looked up by get_many
+    hits: int = 0  # keys that returned a value
+    get_failures: int = 0  # keys not read because of a backend fault, skipped ones included
+    rejected: int = 0  # values read back but refused (over the size limit, wrong type)
+    skipped: int = 0  # keys not even tried because the backend was marked down
+    reconnects: int = 0  # recoveries after the backend had been marked down
+    evictions: int = 0  # values this store evicted itself (size cap)
 
 
 class BlockStore(ABC):

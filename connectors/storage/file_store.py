@@ -41,13 +41,21 @@ class SharedStorageConfig:
     fsync: bool = False  # durability across node crashes; the cache is rebuildable
     max_value_bytes: int = 256 << 20
 
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("path must name a directory")
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0 or None, got {self.max_bytes}")
+        if not 0 < self.evict_to <= 1:
+            raise ValueError(f"evict_to must be in (0, 1], got {self.evict_to}")
+        if not 0 <= self.fanout_chars <= 8:
+            raise ValueError(f"fanout_chars must be 0..8, got {self.fanout_chars}")
+
 
 class SharedStorageBlockStore(BlockStore):
     """Files named by a hash of the key under ``{path}/{hash[:fanout]}/``."""
 
     def __init__(self, config: SharedStorageConfig):
-        if not 0 <= config.fanout_chars <= 8:
-            raise ValueError(f"fanout_chars must be 0..8, got {config.fanout_chars}")
         self.config = config
         self.root = os.path.abspath(config.path)
         self.stats = StoreStats()

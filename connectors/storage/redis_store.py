@@ -36,6 +36,31 @@ class RedisStoreConfig:
     backoff_max_s: float = 30.0
     max_value_bytes: int = 256 << 20  # larger values read back are rejected
 
+    def __post_init__(self) -> None:
+        resolve_redis_url(self.url)  # checks the scheme
+        for name in _POSITIVE_FIELDS:
+            _positive(name, getattr(self, name))
+        if self.ttl_s is not None:
+            _positive("ttl_s", self.ttl_s)
+        if self.backoff_initial_s < 0:
+            raise ValueError(f"backoff_initial_s must be >= 0, got {self.backoff_initial_s}")
+
+
+_POSITIVE_FIELDS = (
+    "socket_timeout_s",
+    "connect_timeout_s",
+    "max_connections",
+    "chunk_keys",
+    "chunk_bytes",
+    "max_value_bytes",
+    "backoff_max_s",
+)
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
 
 def resolve_redis_url(url: str, password: str | None = None) -> str:
     """``url`` with ``password`` (or ``$EPDSERVE_REDIS_PASSWORD``) merged in if it has none."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epdserve.connectors.storage.base import BlockStore, StoreStats
+from epdserve.connectors.storage.base import BlockStore, Counters
 from epdserve.connectors.storage.codec import (
     EncoderOutputMeta,
     KVBlockMeta,
@@ -27,9 +27,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class TransferStats(StoreStats):
-    """Store-level counters reused for transfers: ``hits`` = loaded, ``rejected`` = values that
-    were present but did not decode (wrong metadata/shape/dtype, corrupt), ``gets`` = asked."""
+class TransferStats(Counters):
+    """Counters of one transfer helper (``epdserve:kv_load_failures_total`` and friends)."""
+
+    saved: int = 0  # tensors stored
+    save_failures: int = 0  # tensors the store could not take (see the store's stats for why)
+    lookups: int = 0  # tensors asked for by load
+    loaded: int = 0  # tensors copied into place
+    misses: int = 0  # tensors absent (never stored, evicted, expired, backend fault)
+    rejected: int = 0  # tensors present but refused: other metadata/shape/dtype, corrupt bytes
 
 
 class KVBlockIO:
@@ -65,10 +71,7 @@ class KVBlockIO:
             (self.key(h), encode_kv_block(blocks[b], self.meta))
             for b, h in zip(block_ids, block_hashes, strict=True)
         ]
-        done = self.store.put_many(items)
-        stored = sum(done)
-        self.stats.add(puts=stored, put_failures=len(done) - stored)
-        return done
+        return _counted_put(self.store, self.stats, items)
 
     def load(
         self, kv_cache: torch.Tensor, block_ids: Sequence[int], block_hashes: Sequence
@@ -84,8 +87,7 @@ class KVBlockIO:
                 is not None
             )
             loaded.append(ok)
-        hits, present = sum(loaded), sum(v is not None for v in values)
-        self.stats.add(gets=len(values), hits=hits, rejected=present - hits)
+        hits, present = _count_load(self.stats, values, loaded)
         if present > hits:
             logger.warning(
                 "%d stored KV block(s) did not match this model; recomputing", present - hits
@@ -110,11 +112,8 @@ class EncoderOutputIO:
 
     def save(self, outputs: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
         """Store each ``(mm_id, embedding)``; per item, whether it was stored."""
-        done = self.store.put_many(
-            [(self.key(m), encode_encoder_output(t, self.meta)) for m, t in outputs]
-        )
-        self.stats.add(puts=sum(done), put_failures=len(done) - sum(done))
-        return done
+        items = [(self.key(m), encode_encoder_output(t, self.meta)) for m, t in outputs]
+        return _counted_put(self.store, self.stats, items)
 
     def load(
         self,
@@ -130,11 +129,24 @@ class EncoderOutputIO:
             decode_encoder_output(v, self.meta, s, dtype, out=o) if v is not None else None
             for v, s, o in zip(values, shapes, outs, strict=True)
         ]
-        hits, present = sum(r is not None for r in result), sum(v is not None for v in values)
-        self.stats.add(gets=len(values), hits=hits, rejected=present - hits)
+        _count_load(self.stats, values, [r is not None for r in result])
         return result
 
 
 def _check_pairs(block_ids: Sequence[int], block_hashes: Sequence) -> None:
     if len(block_ids) != len(block_hashes):
         raise ValueError(f"{len(block_ids)} block_ids but {len(block_hashes)} block_hashes")
+
+
+def _counted_put(store: BlockStore, stats: TransferStats, items) -> list[bool]:
+    done = store.put_many(items)
+    stats.add(saved=sum(done), save_failures=len(done) - sum(done))
+    return done
+
+
+def _count_load(stats: TransferStats, values, loaded: list[bool]) -> tuple[int, int]:
+    hits, present = sum(loaded), sum(v is not None for v in values)
+    stats.add(
+        lookups=len(values), loaded=hits, misses=len(values) - present, rejected=present - hits
+    )
+    return hits, present

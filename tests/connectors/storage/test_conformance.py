@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -32,7 +33,7 @@ def test_kv_blocks_round_trip_bit_exact(store, meta, make_cache, dtype):
     for src, dst in zip([1, 2, 3, 4], [7, 6, 5, 4], strict=True):
         assert torch.equal(dest[dst].view(torch.uint8), source[src].view(torch.uint8))
     assert dest[:4].count_nonzero() == 0
-    assert (io.stats.hits, io.stats.rejected) == (4, 0)
+    assert (io.stats.loaded, io.stats.misses, io.stats.rejected) == (4, 0, 0)
 
 
 def test_missing_keys_are_misses_and_leave_slots_untouched(store, meta, make_cache):
@@ -41,6 +42,7 @@ def test_missing_keys_are_misses_and_leave_slots_untouched(store, meta, make_cac
     dest = torch.zeros(make_cache().shape)
     assert io.load(dest, [1, 2], [HASHES[1], HASHES[0]]) == [False, True]
     assert dest[1].count_nonzero() == 0
+    assert (io.stats.lookups, io.stats.loaded, io.stats.misses) == (2, 1, 1)
     assert io.count_cached_prefix(HASHES) == 1 and io.count_cached_prefix(HASHES[1:]) == 0
     assert store.get_many(["epd:kv:pool:nothing:00"]) == [None]
     assert store.exists_many(["epd:kv:pool:nothing:00", io.key(HASHES[0])]) == [False, True]
@@ -51,7 +53,7 @@ def test_a_block_stored_with_other_metadata_is_a_miss(store, meta, make_cache):
     KVBlockIO(store, "pool", other).save(make_cache(), [1], HASHES[:1])
     io = KVBlockIO(store, "pool", meta)
     assert io.load(torch.zeros(make_cache().shape), [1], HASHES[:1]) == [False]
-    assert (io.stats.hits, io.stats.rejected) == (0, 1)
+    assert (io.stats.loaded, io.stats.misses, io.stats.rejected) == (0, 0, 1)
 
 
 def test_a_block_of_another_shape_or_dtype_is_a_miss(store, meta, make_cache):
@@ -77,6 +79,11 @@ def test_delete_removes_only_the_named_keys(store):
     assert store.delete_many(["k1", "k3"]) == 1
     assert store.get_many(["k1", "k2"]) == [None, b"2"]
     assert store.stats.snapshot()["puts"] == 2
+
+
+def test_empty_batches_are_no_ops(store):
+    assert store.put_many([]) == [] and store.get_many([]) == [] and store.exists_many([]) == []
+    assert store.delete_many([]) == 0
 
 
 def test_a_put_replaces_the_previous_value(store):
@@ -130,9 +137,9 @@ def test_concurrent_writers_of_one_key_never_expose_a_torn_value_threads(store, 
 
 
 CHILD = """
-import sys
+import json, sys
 from epdserve.connectors.storage.factory import create_store
-config, key, payload = eval(sys.argv[1]), sys.argv[2], open(sys.argv[3], "rb").read()
+config, key, payload = json.loads(sys.argv[1]), sys.argv[2], open(sys.argv[3], "rb").read()
 store = create_store(config)
 assert all(store.put_many([(key, payload)])[0] for _ in range(40)), store.stats
 store.close()
@@ -146,7 +153,7 @@ def test_concurrent_writers_of_one_key_never_expose_a_torn_value_processes(store
     try:
         for i, payload in enumerate(payloads):
             (tmp_path / f"p{i}").write_bytes(payload)
-            argv = [sys.executable, "-c", CHILD, repr(config), key, str(tmp_path / f"p{i}")]
+            argv = [sys.executable, "-c", CHILD, json.dumps(config), key, str(tmp_path / f"p{i}")]
             procs.append(subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE))
         seen = []
         while any(p.poll() is None for p in procs):

@@ -36,6 +36,10 @@ def test_a_url_selects_redis_and_a_path_selects_shared_storage(tmp_path):
         ({}, "needs 'backend'"),
         ({"backend": "s3"}, "backend must be one of"),
         ({"url": "redis://h/0", "tll_s": 5}, r"unknown redis store option\(s\) \['tll_s'\]"),
+        ({"url": "http://h/0"}, "url must be"),
+        ({"url": "redis://h/0", "socket_timeout_s": 0}, "socket_timeout_s must be > 0"),
+        ({"path": "/x", "max_bytes": -1}, "max_bytes must be"),
+        ({"path": "/x", "evict_to": 1.5}, "evict_to must be"),
     ],
 )
 def test_bad_configs_are_rejected_with_the_field_named(config, message):
