@@ -102,6 +102,7 @@ class RedisBlockStore(BlockStore):
             command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
         )
         self.client = redis.Redis(connection_pool=self.pool)
+        self._last_error_kind = ""
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         done = [False] * len(items)
@@ -112,7 +113,9 @@ class RedisBlockStore(BlockStore):
                 lambda p, b=batch: [p.set(k, v, px=px) for k, v in b], len(batch)
             )
             for i, ok in enumerate(results or (), start):
-                done[i] = ok is True  # a per-command error (e.g. OOM) is an exception object
+                done[i] = ok is True
+                if isinstance(ok, Exception):  # per command: OOM, NOAUTH, READONLY replica...
+                    self._command_error(ok)
         stored = sum(done)
         self.stats.add(puts=stored, put_failures=len(items) - stored)
         return done
@@ -179,10 +182,7 @@ class RedisBlockStore(BlockStore):
                 results = pipe.execute(raise_on_error=False)
             if not isinstance(results, list) or len(results) != n:
                 raise redis.exceptions.InvalidResponse(f"{n} commands, replies: {results!r:.80}")
-        except redis.RedisError as exc:  # down, slow, or a reply the parser could not read
-            self._fault(exc)
-            return None
-        except OSError as exc:
+        except (redis.RedisError, OSError) as exc:  # down, slow, or replies the parser can't read
             self._fault(exc)
             return None
         if self.breaker.record_success():
@@ -197,9 +197,18 @@ class RedisBlockStore(BlockStore):
         log = logger.debug if was_down else logger.warning
         log("redis %s failed (%s: %s)", redact_url(self.config.url), type(exc).__name__, exc)
 
+    def _command_error(self, exc: Exception) -> None:
+        """Log a per-command error the first time its kind shows up (they are counted)."""
+        kind = str(exc).split(" ", 1)[0]
+        if kind != self._last_error_kind:
+            self._last_error_kind = kind
+            logger.warning("redis %s refused a command: %s", redact_url(self.config.url), exc)
+
     def _valid(self, value) -> bytes | None:
         if value is None:
             return None
+        if isinstance(value, Exception):  # e.g. WRONGTYPE: the key holds something else
+            self._command_error(value)
         if not isinstance(value, bytes) or len(value) > self.config.max_value_bytes:
             self.stats.add(rejected=1)
             return None

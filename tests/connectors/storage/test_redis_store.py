@@ -166,10 +166,13 @@ def password_server(tmp_path):
         proc.wait(5)
 
 
-def test_a_password_from_the_environment_authenticates(make_store, password_server, monkeypatch):
+def test_a_password_from_the_environment_authenticates(
+    make_store, password_server, monkeypatch, caplog
+):
     monkeypatch.delenv("EPDSERVE_REDIS_PASSWORD", raising=False)
     wrong = make_store("redis", url=password_server)
     assert wrong.put_many([("a", b"1")]) == [False] and wrong.stats.put_failures == 1
+    assert wrong.breaker.is_down and "AuthenticationError" in caplog.text  # logged, backs off
     monkeypatch.setenv("EPDSERVE_REDIS_PASSWORD", "s3cret")
     store = make_store("redis", url=password_server)
     assert store.put_many([("a", b"1")]) == [True] and store.get_many(["a"]) == [b"1"]
