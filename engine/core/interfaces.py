@@ -57,6 +57,20 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
 
 
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """Gauges as of this step; counters are cumulative since the core started."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+    stats: SchedulerStats | None = None

@@ -1,0 +1,195 @@
+"""``AsyncLLM``: the frontend's handle on an engine-core process (ZeroMQ + msgpack)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core.core_proc import ABORT, ADD, READY
+from epdserve.engine.core.engine_core import EngineCoreRequest
+from epdserve.engine.core.interfaces import EngineCoreOutputs, SchedulerStats
+from epdserve.engine.output_processor import RequestState, StreamOutput
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.tokenizer import TokenizerInfo
+
+log = logging.getLogger("epdserve.frontend")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; requests cannot be served."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, metrics=None, startup_timeout: float = 300.0):
+        self.config = config
+        self.tokenizer = TokenizerInfo(config.model)
+        self.metrics = metrics  # epdserve.engine.metrics.EngineMetrics or None
+        self.startup_timeout = startup_timeout
+        self.states: dict[str, RequestState] = {}  # request id -> state
+        self.child_to_state: dict[str, RequestState] = {}
+        self.dead: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self.max_model_len = 0
+        self.num_blocks = 0
+        self.stats = SchedulerStats()
+        self._tasks: list[asyncio.Task] = []
+        self._encode = msgspec.msgpack.Encoder()
+        self._decode = msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+    # --- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tmp = tempfile.mkdtemp(prefix="epdserve-")
+        in_addr, out_addr = f"ipc://{self._tmp}/in.ipc", f"ipc://{self._tmp}/out.ipc"
+        self.ctx = zmq.asyncio.Context()
+        self.input = self.ctx.socket(zmq.ROUTER)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.bind(in_addr)
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(out_addr)
+        cmd = [
+            sys.executable,
+            "-m",
+            "epdserve.engine.core.core_proc",
+            "--config",
+            json.dumps(asdict(self.config)),
+            "--input",
+            in_addr,
+            "--output",
+            out_addr,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+            },
+        )
+        await self._wait_ready()
+        self._tasks = [
+            asyncio.create_task(self._output_loop()),
+            asyncio.create_task(self._watch_process()),
+        ]
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineDeadError(
+                    f"engine core exited with code {self.proc.returncode} during start-up"
+                )
+            if await self.input.poll(200):
+                identity, kind, payload = await self.input.recv_multipart()
+                if kind == READY:
+                    self.core_identity = identity
+                    info = msgspec.msgpack.decode(payload)
+                    self.max_model_len, self.num_blocks = info["max_model_len"], info["num_blocks"]
+                    return
+        raise EngineDeadError("engine core did not become ready in time")
+
+    async def _watch_process(self) -> None:
+        while self.proc.poll() is None:
+            await asyncio.sleep(0.2)
+        self._mark_dead(f"engine core process exited with code {self.proc.returncode}")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead:
+            return
+        self.dead = reason
+        log.error("%s; failing %d in-flight requests", reason, len(self.states))
+        for state in list(self.states.values()):
+            state.fail(reason)
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.ctx.destroy(linger=0)
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and self.proc is not None and self.proc.poll() is None
+
+    # --- requests ----------------------------------------------------------------------
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[StreamOutput]:
+        """Stream a request's outputs; cancelling the iteration aborts the request."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        request_id = request_id or uuid.uuid4().hex
+        children = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]
+        state = RequestState(request_id, children, params, self.tokenizer, time.monotonic())
+        self.states[request_id] = state
+        for i, child_id in enumerate(children):
+            self.child_to_state[child_id] = state
+            child = params.for_child(i) if params.n > 1 else params
+            req = EngineCoreRequest(child_id, prompt_token_ids, child, None, time.monotonic())
+            await self.input.send_multipart([self.core_identity, ADD, self._encode.encode(req)])
+        if self.metrics:
+            self.metrics.on_request_added(len(prompt_token_ids), params)
+        try:
+            while True:
+                out = await state.get()
+                yield out
+                if out.finished:
+                    if out.error:
+                        raise EngineDeadError(out.error)
+                    break
+        finally:
+            self._forget(state, children, finished=state.finished)
+
+    def _forget(self, state: RequestState, children: list[str], finished: bool) -> None:
+        self.states.pop(state.request_id, None)
+        unfinished = [
+            c
+            for c in children
+            if self.child_to_state.pop(c, None) is not None and state.seqs[c].finish_reason is None
+        ]
+        if unfinished and not self.dead:
+            asyncio.get_running_loop().create_task(self._abort(unfinished))
+        if self.metrics and finished and not state.error:
+            self.metrics.on_request_finished(state)
+
+    async def _abort(self, child_ids: list[str]) -> None:
+        await self.input.send_multipart([self.core_identity, ABORT, self._encode.encode(child_ids)])
+
+    async def _output_loop(self) -> None:
+        while True:
+            frames = await self.output.recv()
+            batch = self._decode.decode(frames)
+            now = time.monotonic()
+            stopped = []
+            for out in batch.outputs:
+                state = self.child_to_state.get(out.request_id)
+                if state is None:
+                    continue
+                if state.process(out):
+                    stopped.append(out.request_id)
+                if self.metrics:
+                    self.metrics.on_tokens(state, len(out.new_token_ids), now)
+            if stopped:
+                await self._abort(stopped)
+            if batch.stats is not None:
+                self.stats = batch.stats
+                if self.metrics:
+                    self.metrics.on_stats(batch.stats)

@@ -1,0 +1,153 @@
+"""The engine-core process: ``python -m epdserve.engine.core.core_proc --config JSON ...``.
+
+Talks to the frontend over ZeroMQ: a DEALER connected to the frontend's ROUTER receives
+requests and aborts, a PUSH connected to its PULL sends outputs. Everything is msgpack;
+nothing is pickled. Busy loop: drain input, ``schedule → execute → update``, send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
+from epdserve.engine.core.interfaces import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+
+log = logging.getLogger("epdserve.core")
+
+# request types, first frame after the envelope
+ADD, ABORT, READY = b"\x00", b"\x01", b"READY"
+
+_decode_add = msgspec.msgpack.Decoder(EngineCoreRequest)
+_decode_abort = msgspec.msgpack.Decoder(list[str])
+_encode = msgspec.msgpack.Encoder()
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore, input_sock, output_sock):
+        self.core = core
+        self.input = input_sock
+        self.output = output_sock
+        self.poller = zmq.Poller()
+        self.poller.register(input_sock, zmq.POLLIN)
+        self.last_counts = (0, 0, 0, 0)
+
+    def run(self) -> None:
+        while True:
+            idle = not self.core.has_unfinished_requests()
+            self._drain_input(timeout_ms=1000 if idle else 0)
+            outputs = self.core.step()
+            if outputs or self._stats_changed():
+                self._send(outputs)
+
+    def _drain_input(self, timeout_ms: int) -> None:
+        if not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                kind, payload = self.input.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(kind, payload)
+
+    def _handle(self, kind: bytes, payload: bytes) -> None:
+        if kind == ABORT:
+            self.core.abort_requests(_decode_abort.decode(payload))
+            return
+        if kind != ADD:
+            log.warning("ignoring message of unknown type %r", kind)
+            return
+        try:
+            req = _decode_add.decode(payload)
+        except msgspec.ValidationError:
+            log.exception("malformed request dropped")
+            return
+        try:
+            self.core.add_request(req)
+        except ValueError as exc:  # validated by the frontend; reject rather than crash
+            log.warning("request %s rejected: %s", req.request_id, exc)
+            self._send(
+                [EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=str(exc))]
+            )
+
+    def _stats_changed(self) -> bool:
+        s = self.core.scheduler
+        counts = (
+            s.num_running(),
+            s.num_waiting(),
+            self.core.kv.prefix_queries,
+            self.core.kv.num_free_blocks(),
+        )
+        return counts != self.last_counts
+
+    def _send(self, outputs: list[EngineCoreOutput]) -> None:
+        s, kv = self.core.scheduler, self.core.kv
+        stats = SchedulerStats(
+            s.num_running(),
+            s.num_waiting(),
+            kv.usage,
+            kv.prefix_queries,
+            kv.prefix_hits,
+            s.num_preemptions,
+            self.core.step_count,
+        )
+        self.last_counts = (
+            s.num_running(),
+            s.num_waiting(),
+            kv.prefix_queries,
+            kv.num_free_blocks(),
+        )
+        self.output.send(_encode.encode(EngineCoreOutputs(outputs, time.time(), stats)), copy=False)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the frontend process dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="epdserve-core")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--input", required=True, help="frontend ROUTER address")
+    parser.add_argument("--output", required=True, help="frontend PULL address")
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    config = EngineConfig(**json.loads(args.config))
+    core = EngineCore(config)
+    ctx = zmq.Context()
+    input_sock = ctx.socket(zmq.DEALER)
+    input_sock.setsockopt(zmq.LINGER, 0)
+    input_sock.connect(args.input)
+    output_sock = ctx.socket(zmq.PUSH)
+    output_sock.setsockopt(zmq.LINGER, 0)
+    output_sock.connect(args.output)
+    ready = {
+        "num_blocks": core.num_blocks,
+        "max_model_len": core.max_model_len,
+        "block_size": config.block_size,
+    }
+    input_sock.send_multipart([READY, _encode.encode(ready)])
+    log.info(
+        "engine core ready: %d KV blocks, max_model_len %d", core.num_blocks, core.max_model_len
+    )
+    CoreLoop(core, input_sock, output_sock).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

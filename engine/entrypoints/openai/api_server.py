@@ -1,0 +1,242 @@
+"""The OpenAI-compatible HTTP server of one engine pod (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from epdserve import __version__
+from epdserve.engine.async_llm import AsyncLLM, EngineDeadError
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.entrypoints.openai import responses
+from epdserve.engine.entrypoints.openai.errors import (
+    APIError,
+    error_response,
+    from_value_error,
+    validation_message,
+)
+from epdserve.engine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from epdserve.engine.entrypoints.openai.serving import OpenAIServing
+from epdserve.engine.metrics import EngineMetrics
+
+log = logging.getLogger("epdserve.server")
+
+
+class ServerState:
+    def __init__(self, config: EngineConfig, served_model_name: str, api_key: str | None):
+        self.config = config
+        self.model_name = served_model_name
+        self.api_key = api_key
+        self.metrics = EngineMetrics(served_model_name)
+        self.engine = AsyncLLM(config, self.metrics)
+        self.serving = OpenAIServing(self.engine, served_model_name)
+        self.ready = False
+        self.start_error: str | None = None
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        try:
+            await self.engine.start()
+            self.ready = True
+            self.metrics.engine_up.set(1)
+            log.info("ready: serving %s", self.model_name)
+        except Exception as exc:  # reported through /health and /ready
+            self.start_error = str(exc)
+            log.exception("engine failed to start")
+
+    def require_engine(self) -> None:
+        if self.engine.dead or self.start_error:
+            raise APIError(503, f"engine unavailable: {self.engine.dead or self.start_error}")
+        if not self.ready:
+            raise APIError(503, "engine is still starting")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(state.start())
+        yield
+        task.cancel()
+        if state.ready:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="epdserve", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    _install_error_handlers(app, state)
+    _install_auth(app, state)
+    _install_routes(app, state)
+    return app
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            return error_response(
+                400,
+                f"request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}",
+                "body",
+            )
+        message, param = validation_message(errors)
+        return error_response(400, message, param)
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, exc: EngineDeadError):
+        return error_response(503, f"engine unavailable: {exc}")
+
+
+def _install_auth(app: FastAPI, state: ServerState) -> None:
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                return error_response(401, "Unauthorized: missing or invalid API key")
+        return await call_next(request)
+
+
+def _install_routes(app: FastAPI, state: ServerState) -> None:
+    serving = state.serving
+
+    @app.get("/health")
+    async def health():
+        if state.engine.dead or state.start_error:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready():
+        ok = state.ready and state.engine.healthy
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.engine_up.set(1 if state.engine.healthy else 0)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "epdserve",
+                    "root": state.config.model,
+                    "parent": None,
+                    "max_model_len": state.engine.max_model_len or None,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        state.require_engine()
+        prep = serving.prepare_completion(req)
+        return await _respond(raw, prep, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        state.require_engine()
+        prep = serving.prepare_chat(req)
+        return await _respond(raw, prep, req)
+
+    async def _respond(raw: Request, prep, req):
+        echo = bool(getattr(req, "echo", False))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = responses.stream_response(serving, prep, echo, include_usage)
+            return StreamingResponse(_guard_stream(body), media_type="text/event-stream")
+        return JSONResponse(
+            await _until_disconnect(raw, responses.full_response(serving, prep, echo))
+        )
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        serving.check_model(req.model)
+        if req.messages is not None:
+            msgs = [
+                {
+                    "role": m.role,
+                    "content": m.content
+                    if isinstance(m.content, str)
+                    else "".join(p.text or "" for p in m.content or []),
+                }
+                for m in req.messages
+            ]
+            try:
+                text = serving.tok.apply_chat_template(msgs, req.add_generation_prompt)
+            except ValueError as exc:
+                raise from_value_error(exc) from exc
+            ids = serving.tok.encode(text, add_special_tokens=False)
+        elif req.prompt is not None:
+            ids = serving.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise APIError(400, "prompt: either prompt or messages is required", "prompt")
+        return {
+            "count": len(ids),
+            "max_model_len": state.engine.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        serving.check_model(req.model)
+        if any(t < 0 or t >= serving.tok.vocab_size for t in req.tokens):
+            raise APIError(400, "tokens: ids must be within the vocabulary", "tokens")
+        return {"prompt": serving.tok.decode(req.tokens, skip_special_tokens=False)}
+
+
+async def _guard_stream(body):
+    """Errors after the first byte cannot change the status: end the stream with an error event."""
+    from epdserve.engine.entrypoints.openai.errors import error_body
+    from epdserve.engine.entrypoints.openai.serving import sse
+
+    try:
+        async for chunk in body:
+            yield chunk
+    except EngineDeadError as exc:
+        yield sse(error_body(503, f"engine unavailable: {exc}"))
+        yield b"data: [DONE]\n\n"
+
+
+async def _until_disconnect(raw: Request, work):
+    """Run a non-streaming request, cancelling it (and aborting in the core) on disconnect."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,51 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": TYPES.get(status, "Error"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """``SamplingParams``/engine messages start with the field name: ``"top_p: must be ..."``."""
+    message = str(exc)
+    field, sep, _ = message.partition(":")
+    param = field if sep and field.isidentifier() else None
+    return APIError(400, message, param)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """A readable message naming the first invalid field of a pydantic error list."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    where = f"'{param}'" if param else "request body"
+    return f"{where}: {first.get('msg', 'invalid value')}", param

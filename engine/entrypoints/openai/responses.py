@@ -1,0 +1,169 @@
+"""Building OpenAI response bodies and stream chunks from ``StreamOutput`` deltas."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from epdserve.engine.entrypoints.openai.serving import OpenAIServing, Prepared, sse
+
+
+class Accumulator:
+    """Per choice: text, token count, logprobs and finish state across deltas."""
+
+    def __init__(self, num_choices: int):
+        self.text = [""] * num_choices
+        self.tokens = [0] * num_choices
+        self.logprobs: list[list] = [[] for _ in range(num_choices)]
+        self.finish = [None] * num_choices
+        self.stop_reason = [None] * num_choices
+        self.cached = 0
+
+
+def completion_logprobs(serving: OpenAIServing, entries: list, offset: int) -> dict:
+    tok = serving.tok
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for ids, lps, _rank in entries:
+        text = tok.id_to_token_text(ids[0])
+        tokens.append(text)
+        token_lps.append(lps[0])
+        tops.append({tok.id_to_token_text(t): v for t, v in zip(ids[1:], lps[1:], strict=True)})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_lps,
+        "tokens": tokens,
+        "top_logprobs": tops,
+    }
+
+
+def chat_logprobs(serving: OpenAIServing, entries: list) -> dict:
+    tok = serving.tok
+
+    def item(token_id: int, value: float) -> dict:
+        text = tok.id_to_token_text(token_id)
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    content = []
+    for ids, lps, _rank in entries:
+        entry = item(ids[0], lps[0])
+        entry["top_logprobs"] = [item(t, v) for t, v in zip(ids[1:], lps[1:], strict=True)]
+        content.append(entry)
+    return {"content": content}
+
+
+def usage(prep: Prepared, acc: Accumulator) -> dict:
+    prompt = sum(len(p) for p in prep.prompts)
+    completion = sum(acc.tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": acc.cached},
+    }
+
+
+async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> dict:
+    n = prep.params.n
+    acc = Accumulator(n * len(prep.prompts))
+    async for i, out in serving.events(prep):
+        acc.cached += out.num_cached_tokens if out.finished else 0
+        for seq in out.seqs:
+            c = i * n + seq.index
+            acc.text[c] += seq.text
+            acc.tokens[c] += len(seq.token_ids)
+            acc.logprobs[c].extend(seq.logprobs)
+            if seq.finish_reason:
+                acc.finish[c], acc.stop_reason[c] = seq.finish_reason, seq.stop_reason
+    chat = prep.kind == "chat"
+    choices = []
+    for c in range(len(acc.text)):
+        prefix = prep.texts[c // n] if echo and not chat else ""
+        choice = {
+            "index": c,
+            "finish_reason": acc.finish[c],
+            "stop_reason": acc.stop_reason[c],
+            "logprobs": None,
+        }
+        if prep.params.logprobs is not None:
+            choice["logprobs"] = (
+                chat_logprobs(serving, acc.logprobs[c])
+                if chat
+                else completion_logprobs(serving, acc.logprobs[c], len(prefix))
+            )
+        if chat:
+            choice["message"] = {"role": "assistant", "content": acc.text[c]}
+        else:
+            choice["text"] = prefix + acc.text[c]
+        choices.append(choice)
+    return {
+        "id": prep.request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": prep.created,
+        "model": serving.model_name,
+        "choices": choices,
+        "usage": usage(prep, acc),
+    }
+
+
+async def stream_response(
+    serving: OpenAIServing, prep: Prepared, echo: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    chat = prep.kind == "chat"
+    n = prep.params.n
+    acc = Accumulator(n * len(prep.prompts))
+    head = {
+        "id": prep.request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": prep.created,
+        "model": serving.model_name,
+    }
+    if chat:
+        for c in range(len(acc.text)):
+            yield sse(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": c,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+    started = [False] * len(acc.text)
+    async for i, out in serving.events(prep):
+        if out.finished:
+            acc.cached += out.num_cached_tokens
+        for seq in out.seqs:
+            c = i * n + seq.index
+            if not seq.text and not seq.token_ids and not seq.finish_reason:
+                continue
+            text = seq.text
+            if echo and not chat and not started[c]:
+                text = prep.texts[i] + text
+            started[c] = True
+            acc.tokens[c] += len(seq.token_ids)
+            choice = {
+                "index": c,
+                "logprobs": None,
+                "finish_reason": seq.finish_reason,
+                "stop_reason": seq.stop_reason,
+            }
+            if prep.params.logprobs is not None and seq.logprobs:
+                choice["logprobs"] = (
+                    chat_logprobs(serving, seq.logprobs)
+                    if chat
+                    else completion_logprobs(serving, seq.logprobs, len(acc.text[c]))
+                )
+            acc.text[c] += text
+            if chat:
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            yield sse({**head, "choices": [choice]})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(prep, acc)})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,157 @@
+"""Completions and chat completions on top of ``AsyncLLM`` (vLLM's response shapes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from epdserve.engine.async_llm import AsyncLLM
+from epdserve.engine.entrypoints.openai.errors import APIError, from_value_error
+from epdserve.engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+_json = msgspec.json.Encoder()
+
+
+def sse(obj) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+class Prepared:
+    """A validated request: prompts as token ids plus sampling parameters."""
+
+    def __init__(self, prompts: list[list[int]], texts: list[str | None], params, kind: str):
+        self.prompts, self.texts, self.params, self.kind = prompts, texts, params, kind
+        self.request_id = (
+            f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}"
+        )
+        self.created = int(time.time())
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_name: str):
+        self.engine = engine
+        self.model_name = served_model_name
+        self.tok = engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. Valid models: {self.model_name}.",
+                "model",
+            )
+
+    # --- preparation -----------------------------------------------------------------
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise APIError(400, "suffix: not supported", "suffix")
+        raw = req.prompt
+        if isinstance(raw, str) or raw and isinstance(raw[0], int):
+            raw = [raw]
+        if not raw:
+            raise APIError(400, "prompt: must not be empty", "prompt")
+        prompts, texts = [], []
+        for item in raw:
+            ids = self.tok.encode(item) if isinstance(item, str) else list(item)
+            prompts.append(ids)
+            texts.append(item if isinstance(item, str) else self.tok.decode(ids, False))
+        if any(t < 0 or t >= self.tok.vocab_size for p in prompts for t in p):
+            raise APIError(400, "prompt: token ids must be within the vocabulary", "prompt")
+        return self._finish_prepare(req, prompts, texts, req.max_tokens, req.logprobs, "completion")
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        messages = []
+        for i, message in enumerate(req.messages):
+            content = message.content
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if part.type != "text":
+                        raise APIError(
+                            400,
+                            f"messages[{i}].content[{j}]: {self.model_name} is "
+                            "not a multimodal model",
+                            f"messages[{i}].content[{j}]",
+                        )
+                content = "".join(p.text or "" for p in content)
+            messages.append({"role": message.role, "content": content or ""})
+        try:
+            text = self.tok.apply_chat_template(
+                messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+            )
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        ids = self.tok.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+        return self._finish_prepare(req, [ids], [text], max_tokens, logprobs, "chat")
+
+    def _finish_prepare(self, req, prompts, texts, max_tokens, logprobs, kind) -> Prepared:
+        limit = self.engine.max_model_len
+        for ids in prompts:
+            if len(ids) >= limit:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. "
+                    f"However, your prompt contains {len(ids)} input tokens, "
+                    f"{len(ids) - limit + 1} too many to generate even one "
+                    "token. Please reduce the length of the prompt.",
+                    "input_tokens",
+                )
+        if max_tokens is None:
+            max_tokens = 16 if kind == "completion" else limit - max(len(p) for p in prompts)
+        longest = max(len(p) for p in prompts)
+        if max_tokens >= 1 and longest + max_tokens > limit:
+            over = longest + max_tokens - limit
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, "
+                f"you requested {longest + max_tokens} tokens ({longest} in the "
+                f"prompt, {max_tokens} in the completion), {over} too many. "
+                "Please reduce max_tokens or the prompt.",
+                "max_tokens",
+            )
+        try:
+            params = req.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        return Prepared(prompts, texts, params, kind)
+
+    # --- execution ---------------------------------------------------------------------
+    async def events(self, prep: Prepared) -> AsyncIterator[tuple[int, object]]:
+        """Merge the per-prompt output streams: yields ``(prompt_index, StreamOutput)``."""
+        if len(prep.prompts) == 1:
+            async for out in self.engine.generate(prep.prompts[0], prep.params, prep.request_id):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]):
+            try:
+                async for out in self.engine.generate(ids, prep.params, f"{prep.request_id}-p{i}"):
+                    await queue.put((i, out))
+            except Exception as exc:  # surfaced to the consumer below
+                await queue.put((i, exc))
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prep.prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()

@@ -1,0 +1,123 @@
+"""``epdserve serve MODEL``: one engine pod (OpenAI server + engine-core process).
+
+Every flag can also come from the environment as ``EPDSERVE_<FLAG>`` (``--max-model-len``
+→ ``EPDSERVE_MAX_MODEL_LEN``), which is how the operator configures pods; a flag given on
+the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+ROLES = ("both", "encoder", "prefill", "decode")
+BOOL_TRUE = ("1", "true", "yes", "on")
+
+
+def _env(name: str, default=None):
+    return os.environ.get("EPDSERVE_" + name.upper().replace("-", "_"), default)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = _env(name)
+    return default if value is None else value.strip().lower() in BOOL_TRUE
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=_env("model"),
+        help="model directory (HF format); or EPDSERVE_MODEL",
+    )
+    p.add_argument("--host", default=_env("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    p.add_argument("--served-model-name", default=_env("served_model_name"))
+    p.add_argument("--api-key", default=_env("api_key"))
+    p.add_argument("--role", choices=ROLES, default=_env("role", "both"))
+    p.add_argument(
+        "--dtype",
+        default=_env("dtype", "float32"),
+        choices=("float32", "bfloat16", "float16", "auto"),
+    )
+    p.add_argument("--device", default=_env("device", "cpu"))
+    p.add_argument("--max-model-len", type=int, default=_int_env("max_model_len"))
+    p.add_argument(
+        "--kv-cache-memory", type=int, default=_int_env("kv_cache_memory"), help="bytes of KV cache"
+    )
+    p.add_argument("--block-size", type=int, default=int(_env("block_size", 16)))
+    p.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 256)))
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=int(_env("max_num_batched_tokens", 2048))
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("enable_prefix_caching", True),
+    )
+    p.add_argument(
+        "--prefix-caching-hash-algo", default=_env("prefix_caching_hash_algo", "sha256_cbor")
+    )
+    p.add_argument("--hash-seed", default=_env("hash_seed"))
+    p.add_argument("--seed", type=int, default=int(_env("seed", 0)))
+    p.add_argument("--kv-events-config", default=_env("kv_events_config"))
+    p.add_argument("--kv-transfer-config", default=_env("kv_transfer_config"))
+    p.add_argument("--ec-transfer-config", default=_env("ec_transfer_config"))
+    p.add_argument("--log-level", default=_env("log_level", "info"))
+
+
+def _int_env(name: str):
+    value = _env(name)
+    return int(value) if value not in (None, "") else None
+
+
+def engine_config(args: argparse.Namespace):
+    from epdserve.engine.config import EngineConfig
+
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    return EngineConfig(
+        model=args.model,
+        dtype=dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        hash_seed=args.hash_seed,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from epdserve.engine.entrypoints.openai.api_server import ServerState, build_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    if not args.model:
+        raise SystemExit("epdserve serve: a MODEL directory is required (or EPDSERVE_MODEL)")
+    if args.role != "both" or args.kv_transfer_config or args.ec_transfer_config:
+        raise SystemExit(
+            f"epdserve serve: --role {args.role} and connector configs are not "
+            "available in this build yet"
+        )
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        raise SystemExit(f"epdserve serve: {exc}") from exc
+    name = args.served_model_name or args.model
+    state = ServerState(config, name, args.api_key)
+    uvicorn.run(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        access_log=False,
+    )
+    return 0

@@ -1,0 +1,170 @@
+"""Prometheus metrics under vLLM's names (so dashboards, KEDA and routers work) + ``epdserve:*``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from epdserve.engine.core.interfaces import SchedulerStats
+
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, ["model_name", "engine"]
+        self.labels = {"model_name": model_name, "engine": "0"}
+
+        def g(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(**self.labels)
+
+        def c(name, doc, extra=()):
+            metric = Counter(name, doc, labels + list(extra), registry=r)
+            return metric if extra else metric.labels(**self.labels)
+
+        def h(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(**self.labels)
+
+        self.running = g(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = c("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_hits = c("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.ext_queries = c(
+            "vllm:external_prefix_cache_queries", "External prefix cache queries, in tokens."
+        )
+        self.ext_hits = c(
+            "vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens."
+        )
+        self.preemptions = c("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = c("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = c(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.success = c(
+            "vllm:request_success", "Count of successfully processed requests.", ["finished_reason"]
+        )
+        self.ttft = h(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token.", TTFT_BUCKETS
+        )
+        self.itl = h(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency.", ITL_BUCKETS
+        )
+        self.e2e = h(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency.", E2E_BUCKETS
+        )
+        self.req_prompt = h(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
+        )
+        self.req_gen = h(
+            "vllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+        )
+        self.engine_steps = c("epdserve:engine_steps", "Engine-core steps executed.")
+        self.engine_up = g("epdserve:engine_core_up", "1 while the engine-core process is alive.")
+        self.kv_load_failures = c(
+            "epdserve:kv_load_failures",
+            "KV blocks a connector failed to load (recomputed instead).",
+        )
+        self._last = SchedulerStats()
+
+    def on_stats(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self._last
+        self.prefix_queries.inc(max(0, stats.prefix_queries - last.prefix_queries))
+        self.prefix_hits.inc(max(0, stats.prefix_hits - last.prefix_hits))
+        self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.engine_steps.inc(max(0, stats.num_steps - last.num_steps))
+        self._last = stats
+
+    def on_request_added(self, num_prompt_tokens: int, params) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens * params.n)
+        self.req_prompt.observe(num_prompt_tokens)
+
+    def on_tokens(self, state, n: int, now: float) -> None:
+        if n <= 0:
+            return
+        self.generation_tokens.inc(n)
+        ttft, itl = state.record_tokens(n, now)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            self.itl.observe(itl)
+
+    def on_request_finished(self, state) -> None:
+        if state.last_token_time is not None:
+            self.e2e.observe(state.last_token_time - state.arrival)
+        self.req_gen.observe(state.num_generated)
+        for seq in state.seqs.values():
+            self.success.labels(**self.labels, finished_reason=seq.finish_reason or "abort").inc()
