@@ -14,8 +14,15 @@ import pytest
 import redis
 import torch
 
-from epdserve.connectors.storage import CircuitBreaker, KVBlockIO
+from epdserve.connectors.storage import AsyncBlockStore, CircuitBreaker, KVBlockIO
 from epdserve.connectors.storage.redis_store import redact_url, resolve_redis_url
+
+
+def _wait_until(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
 
 
 class FakeClock:
@@ -55,6 +62,37 @@ def test_a_killed_server_gives_misses_and_counts_then_recovers_after_restart(
     assert store.get_many(["a"]) == [None]  # back, but restarted empty: a plain miss
     assert store.put_many([("a", b"1")]) == [True] and store.get_many(["a"]) == [b"1"]
     assert store.stats.reconnects == 1
+
+
+def test_a_server_killed_under_load_never_raises_and_saves_resume_after_restart(
+    make_store, redis_server, meta, make_cache
+):
+    store = make_store("redis", backoff_initial_s=0.02, backoff_max_s=0.1)
+    io, cache = KVBlockIO(store, "pool", meta), make_cache()
+    worker = AsyncBlockStore(store)
+    results, stop = [], threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            results.append(io.save(cache, [1, 2, 3], [b"\x01", b"\x02", b"\x03"]))
+            results.append(io.load(cache, [4, 5, 6], [b"\x01", b"\x02", b"\x03"]))
+
+    running = worker.submit(loop)
+    try:
+        _wait_until(lambda: len(results) >= 10 or running.done())
+        redis_server.stop()
+        try:
+            failures = store.stats.put_failures + store.stats.get_failures
+            _wait_until(lambda: store.stats.put_failures + store.stats.get_failures > failures)
+        finally:
+            redis_server.start()
+        _wait_until(lambda: store.stats.reconnects > 0 or running.done())
+    finally:
+        stop.set()
+        worker.close(close_store=False)
+    running.result(0)  # the loop never raised
+    assert store.stats.reconnects >= 1 and io.stats.save_failures > 0
+    assert io.save(cache, [1], [b"\x01"]) == [True]
 
 
 def test_the_breaker_backs_off_exponentially_up_to_its_cap():
