@@ -21,6 +21,7 @@ from epdserve.connectors.kv_events.schema import (
     EventEncoder,
     KVEvent,
     hash_to_int,
+    to_wire_event,
 )
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "binds",
     "create_publisher",
     "hash_to_int",
+    "to_wire_event",
 ]

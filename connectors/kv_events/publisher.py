@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import zmq
 
 from epdserve.connectors.kv_events.config import KVEventsConfig, binds
-from epdserve.connectors.kv_events.schema import EventBatch, EventEncoder, KVEvent
+from epdserve.connectors.kv_events.schema import EventBatch, EventEncoder, KVEvent, to_wire_event
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class PublisherStats:
     replay_requests: int = 0
     replay_requests_invalid: int = 0
     send_errors: int = 0
+    batches_invalid: int = 0  # events that are not KV cache events
 
 
 class EventPublisher:
@@ -66,8 +67,9 @@ class NullEventPublisher(EventPublisher):
 class ZmqEventPublisher(EventPublisher):
     """vLLM-compatible publisher: ``[topic, seq, payload]`` on PUB, replay on ROUTER.
 
-    Events handed to ``publish`` must not be mutated afterwards (they are encoded later,
-    on the publisher thread).
+    ``publish`` takes wire structs or the engine's own event objects with vLLM's field
+    names (``bytes`` hashes are cut to their low 64 bits); they are converted and encoded
+    later, on the publisher thread, so they must not be mutated afterwards.
     """
 
     def __init__(
@@ -165,6 +167,12 @@ class ZmqEventPublisher(EventPublisher):
                     continue
                 if item is _STOP:
                     break
+                try:
+                    item.events = [to_wire_event(e) for e in item.events]
+                except (TypeError, AttributeError, ValueError):
+                    self.stats.batches_invalid += 1
+                    log.exception("KV event batch not publishable; dropped")
+                    continue
                 self._send(pub, seq, self._encoder.encode(item))
                 seq += 1
         finally:

@@ -208,3 +208,37 @@ class EventEncoder:
     def encode(self, batch: EventBatch) -> bytes:
         """The msgpack payload frame of one batch."""
         return self._encoder.encode(batch)
+
+
+def to_wire_event(event: Any) -> KVEvent:
+    """Any engine-side event with vLLM's field names (e.g. dataclasses with ``bytes``
+    hashes) as the wire struct: hashes as their low 64 bits, absent fields at vLLM's
+    values (``medium="GPU"``, ``kv_cache_spec_kind="full_attention"``)."""
+    if isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+        return event
+    kind = type(event).__name__
+    if kind == "BlockStored":
+        parent = event.parent_block_hash
+        n = len(event.block_hashes)
+        extra = getattr(event, "extra_keys", None)
+        return BlockStored(
+            block_hashes=[hash_to_int(h) for h in event.block_hashes],
+            parent_block_hash=None if parent is None else hash_to_int(parent),
+            token_ids=list(event.token_ids),
+            block_size=event.block_size,
+            lora_id=getattr(event, "lora_id", None),
+            medium=getattr(event, "medium", "GPU"),
+            lora_name=getattr(event, "lora_name", None),
+            extra_keys=list(extra) if extra else [None] * n,
+            group_idx=getattr(event, "group_idx", 0),
+            kv_cache_spec_kind=getattr(event, "kv_cache_spec_kind", "full_attention"),
+        )
+    if kind == "BlockRemoved":
+        return BlockRemoved(
+            [hash_to_int(h) for h in event.block_hashes],
+            getattr(event, "medium", "GPU"),
+            getattr(event, "group_idx", 0),
+        )
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise TypeError(f"not a KV cache event: {kind}")

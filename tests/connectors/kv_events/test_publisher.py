@@ -174,3 +174,42 @@ def test_a_busy_endpoint_is_a_clear_error():
             ZmqEventPublisher(f"tcp://*:{port}")
     finally:
         first.close()
+
+
+def test_engine_side_events_with_byte_hashes_are_published_as_vllm_does(ctx, publisher):
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class BlockStored:  # the engine's own shape (engine/core/block_pool.py)
+        block_hashes: list
+        parent_block_hash: bytes | None
+        token_ids: list
+        block_size: int
+        extra_keys: list = field(default_factory=list)
+        group_idx: int = 0
+
+    sub = subscribe(ctx, publisher.ports[0], publisher)
+    h1, h0 = b"\x01" * 24 + (5).to_bytes(8, "big"), b"\x02" * 32
+    publisher.publish([BlockStored([h1], h0, [1, 2], 2, [None])])
+    _, _, (_, (event,), _) = recv_live(sub)
+    assert event == {
+        "type": "BlockStored",
+        "block_hashes": [5],
+        "parent_block_hash": int.from_bytes(h0[-8:], "big"),
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None],
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def test_objects_that_are_not_events_are_counted_not_published(publisher):
+    publisher.publish([object()])
+    deadline = time.monotonic() + 5
+    while publisher.stats.batches_invalid < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert publisher.stats.batches_invalid == 1 and publisher.stats.batches_published == 0
