@@ -24,14 +24,17 @@ CONFIGS = [  # (name, heads, kv_heads, head_dim)
 ]
 
 
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def best_of_interleaved(fns, repeats: int) -> list[float]:
+    """Best time of each function, alternating them so both see the same machine load."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats):
@@ -47,8 +50,8 @@ def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats
     kv_bytes = 2 * seqs * ctx * kv_heads * head_dim * kv.element_size()
     src = torch.randn(kv_bytes // kv.element_size(), dtype=dtype)
     dst = torch.empty_like(src)
-    t_attn = best_of(lambda: paged_attention(*args), repeats)
-    t_copy = best_of(lambda: dst.copy_(src), repeats)
+    t_attn, t_copy = best_of_interleaved([lambda: paged_attention(*args), lambda: dst.copy_(src)],
+                                         repeats)  # fmt: skip
     return {
         "kv_bytes": kv_bytes,
         "twin_ms": round(t_attn * 1e3, 3),
@@ -64,8 +67,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     opts = parser.parse_args()
-    repeats = 3 if opts.quick else 10
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    repeats = 5 if opts.quick else 20
     results = []
     for dtype in (torch.bfloat16, torch.float32):
         for name, heads, kv_heads, head_dim in CONFIGS:

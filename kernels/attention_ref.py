@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.kernels.checks import check_paged_attention
-from epdserve.kernels.workspace import scratch
+from epdserve.kernels.decode_ref import decode_attention
+from epdserve.kernels.gather import block_ids, gather_blocks
 
 
 def paged_attention_ref(
@@ -41,9 +42,9 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; returns ``out[T, H, D]`` in query's dtype.
 
-    All-decode batches (every q_len == 1) run as one padded, masked, batched SDPA; in a
-    mixed batch the decode sequences still run batched and each longer query span runs
-    one SDPA of its own.
+    All-decode batches (every q_len == 1) run as one padded, masked, batched computation
+    (``decode_ref``); in a mixed batch the decode sequences still run batched and each
+    longer query span runs one SDPA of its own.
     """
     check_paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
@@ -57,13 +58,13 @@ def paged_attention_ref(
     args = (key_cache, value_cache, block_table, scale, sliding_window, soft_cap)
     if all(n == 1 for n in q_lens):
         if q_lens:
-            out.copy_(_decode_batch(query, lens, args))
+            out.copy_(decode_attention(query, lens, *args))
         return out
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=query.device)
         q = query.index_select(0, rows)
-        res = _decode_batch(q, [lens[i] for i in decode], args, seqs=decode)
+        res = decode_attention(q, [lens[i] for i in decode], *args, seqs=decode)
         out.index_copy_(0, rows, res)
     for i, n in enumerate(q_lens):
         if n > 1:
@@ -81,53 +82,15 @@ def _check_lengths(q_lens: list[int], lens: list[int], capacity: int) -> None:
             raise ValueError(f"seq_lens[{i}]={ctx} exceeds block_table capacity {capacity}")
 
 
-def _gather(cache: torch.Tensor, ids: torch.Tensor, purpose: str) -> torch.Tensor:
-    """Copy blocks ``ids`` of a (possibly strided) cache into a reused buffer."""
-    n, bs, kvh, d = cache.shape
-    src = cache.flatten(1)  # a view: the inner [bs, kvh, d] is contiguous
-    buf = scratch(purpose, (ids.numel(), bs * kvh * d), cache.dtype, cache.device)
-    torch.index_select(src, 0, ids, out=buf)
-    return buf.view(-1, kvh, d)
-
-
-def _block_ids(block_table: torch.Tensor, rows, num_blocks: int) -> torch.Tensor:
-    table = block_table[:, :num_blocks] if rows is None else block_table[rows, :num_blocks]
-    return table.reshape(-1).clamp(min=0)  # padding entries may be -1
-
-
-def _decode_batch(query, lens, args, seqs=None):
-    """One query per sequence: gather every sequence padded to the longest, one SDPA.
-
-    The ``G = H / KVH`` query heads sharing a kv head act as ``G`` query rows of that
-    head, so SDPA runs without GQA expansion and reads each gathered K/V once.
-    """
-    key_cache, value_cache, block_table, scale, window, soft_cap = args
-    num_seqs, num_heads, head_dim = query.shape
-    bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    nblk = -(-max(lens) // bs)
-    rows = None if seqs is None else torch.tensor(seqs, device=query.device)
-    ids = _block_ids(block_table, rows, nblk)
-    k = _gather(key_cache, ids, "k").view(num_seqs, nblk * bs, kv_heads, head_dim)
-    v = _gather(value_cache, ids, "v").view(num_seqs, nblk * bs, kv_heads, head_dim)
-    ctx = torch.tensor(lens, device=query.device)
-    pos = torch.arange(nblk * bs, device=query.device)
-    mask = pos[None, :] < ctx[:, None]
-    if window is not None:
-        mask &= pos[None, :] > (ctx[:, None] - 1 - window)
-    q = query.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
-    res = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, soft_cap)
-    return res.view(num_seqs, num_heads, head_dim)
-
-
 def _prefill_one(query, seq: int, ctx: int, args):
     """The last ``q_len`` positions of one sequence attend causally to its ``ctx`` keys."""
     key_cache, value_cache, block_table, scale, window, soft_cap = args
     q_len, num_heads, head_dim = query.shape
     bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // kv_heads
-    ids = _block_ids(block_table[seq : seq + 1], None, -(-ctx // bs))
-    k = _gather(key_cache, ids, "k")[:ctx].view(1, ctx, kv_heads, head_dim)
-    v = _gather(value_cache, ids, "v")[:ctx].view(1, ctx, kv_heads, head_dim)
+    ids = block_ids(block_table[seq : seq + 1], None, -(-ctx // bs))
+    k = gather_blocks(key_cache, ids, "k")[:ctx].view(1, ctx, kv_heads, head_dim)
+    v = gather_blocks(value_cache, ids, "v")[:ctx].view(1, ctx, kv_heads, head_dim)
     qpos = torch.arange(ctx - q_len, ctx, device=query.device)
     kpos = torch.arange(ctx, device=query.device)
     mask = kpos[None, :] <= qpos[:, None]
