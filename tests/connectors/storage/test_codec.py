@@ -156,3 +156,11 @@ def test_keys_follow_the_design_scheme():
 def test_bad_key_parts_are_rejected_with_the_field_named(call):
     with pytest.raises(ValueError, match="pool|fingerprint|block_hash|mm_id"):
         call()
+
+
+def test_a_non_contiguous_destination_is_filled_through_torch(meta, make_cache):
+    block = make_cache()[1]
+    dest = torch.zeros(*BLOCK[:-1], 16)[..., ::2]
+    assert not dest.is_contiguous()
+    out = decode_kv_block(encode_kv_block(block, meta), meta, BLOCK, torch.float32, out=dest)
+    assert out is dest and torch.equal(dest, block)

@@ -218,3 +218,14 @@ def test_values_beyond_the_capacity_are_evicted_and_read_as_misses(capped_store)
     present = {k: v for k, v in values.items() if v is not None}
     assert 0 < len(present) < 24 and all(v == expected[k] for k, v in present.items())
     assert capped_store.stats.put_failures == 0 and capped_store.stats.get_failures == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kv_blocks_round_trip_through_a_device_cache(store, meta, make_cache):
+    source = make_cache(torch.bfloat16).cuda()
+    dest = torch.zeros_like(source)
+    io = KVBlockIO(store, "pool", meta)
+    assert io.save(source, [1, 2, 3], HASHES[:3]) == [True] * 3
+    assert io.load(dest, [5, 6, 7], HASHES[:3]) == [True] * 3
+    assert torch.equal(dest[5:8], source[1:4])
