@@ -1,0 +1,53 @@
+"""If the engine-core process dies, /health turns 503 and requests fail fast."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from serving_support import ServerProcess
+
+
+@pytest.fixture
+def doomed_server(models):
+    srv = ServerProcess(str(models.get("qwen2")), api_key=None)
+    yield srv
+    srv.stop()
+
+
+def test_killing_the_core_fails_pending_and_new_requests_within_seconds(doomed_server):
+    srv = doomed_server
+    results = {}
+
+    def long_request():
+        start = time.monotonic()
+        try:
+            resp = httpx.post(
+                srv.url + "/v1/completions",
+                timeout=60,
+                json={"model": "tiny", "prompt": "x", "max_tokens": 480, "ignore_eos": True},
+            )
+            results["status"] = resp.status_code
+        except httpx.HTTPError as exc:
+            results["status"] = repr(exc)
+        results["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(1.0)
+    os.kill(srv.core_pid(), signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert results["status"] == 503 and results["elapsed"] < 15
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and httpx.get(srv.url + "/health").status_code != 503:
+        time.sleep(0.1)
+    assert httpx.get(srv.url + "/health").status_code == 503
+    resp = httpx.post(
+        srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10
+    )
+    assert resp.status_code == 503 and "engine" in resp.json()["error"]["message"]
