@@ -9,7 +9,6 @@ used files (mtime, refreshed on reads at most every ``touch_interval_s``).
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import itertools
 import logging
@@ -64,6 +63,7 @@ class SharedStorageBlockStore(BlockStore):
         self._evict_lock = threading.Lock()
         self._usage: int | None = None  # bytes, measured by the last scan plus our own puts
         self._scanned_at = 0.0
+        self._last_errno: int | None = None
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:  # read-only volume: reads may still work
@@ -111,21 +111,30 @@ class SharedStorageBlockStore(BlockStore):
         final = self.path_of(key)
         directory = os.path.dirname(final)
         tmp = f"{directory}/.{os.path.basename(final)}.{os.getpid()}.{next(self._seq)}.tmp"
-        try:
-            if directory not in self._dirs:
-                os.makedirs(directory, exist_ok=True)
-                self._dirs.add(directory)
-            with open(tmp, "xb") as f:
-                f.write(value)
-                if self.config.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-            return True
-        except OSError as exc:
-            self._discard(tmp)
-            level = logging.DEBUG if exc.errno in (errno.EROFS, errno.EACCES) else logging.WARNING
-            logger.log(level, "cannot store %s: %s", key, exc)
-            return False
+        for retry in (False, True):  # once more if the directory vanished (volume wiped)
+            try:
+                if directory not in self._dirs:
+                    os.makedirs(directory, exist_ok=True)
+                    self._dirs.add(directory)
+                with open(tmp, "xb") as f:
+                    f.write(value)
+                    if self.config.fsync:
+                        os.fsync(f.fileno())
+                os.replace(tmp, final)
+                return True
+            except OSError as exc:
+                self._discard(tmp)
+                self._dirs.discard(directory)
+                if retry or not isinstance(exc, FileNotFoundError):
+                    self._put_error(exc)
+                    return False
+        return False
+
+    def _put_error(self, exc: OSError) -> None:
+        """Log a write error the first time its kind shows up (every one is counted)."""
+        if exc.errno != self._last_errno:
+            self._last_errno = exc.errno
+            logger.warning("cannot write to %s: %s", self.root, exc)
 
     def _get(self, key: str) -> bytes | None:
         path = self.path_of(key)

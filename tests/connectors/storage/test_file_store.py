@@ -105,3 +105,11 @@ def test_a_read_only_volume_fails_puts_softly_and_still_serves_gets(make_store):
     finally:
         undo()
     assert store.put_many([("new", b"v")]) == [True]
+
+
+def test_a_wiped_volume_is_recreated_on_the_next_put(make_store):
+    store = make_store("shared_storage")
+    store.put_many([("k", b"1")])
+    shutil.rmtree(store.root)
+    assert store.get_many(["k"]) == [None]
+    assert store.put_many([("k", b"2")]) == [True] and store.get_many(["k"]) == [b"2"]
