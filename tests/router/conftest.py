@@ -76,6 +76,55 @@ def start_standin(model_dir, log_dir: Path, **options) -> Proc:
     return pod
 
 
+def start_serve(model_dir, log_dir: Path, *flags: str) -> Proc:
+    """A real ``epdserve serve`` pod with KV events on free ports; waits for /ready."""
+    import json
+
+    port, events, replay = free_port(), free_port(), free_port()
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events}",
+        "replay_endpoint": f"tcp://*:{replay}",
+        "topic": f"kv@127.0.0.1:{port}@tiny",
+    }
+    args = [
+        sys.executable,
+        "-m",
+        "epdserve.engine.cli",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+    ]
+    args += [
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--kv-events-config",
+        json.dumps(config),
+    ]
+    log = open(log_dir / f"serve-{port}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([*args, *flags], stdout=log, stderr=subprocess.STDOUT)
+    return Proc(proc, f"http://127.0.0.1:{port}", {"events": events, "replay": replay})
+
+
+def wait_ready(pod: Proc, timeout: float = 120.0) -> None:
+    """Wait for a pod's /ready (200), failing fast if the process dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pod.proc.poll() is not None:
+            raise RuntimeError(f"pod {pod.url} exited with {pod.proc.returncode}")
+        try:
+            if httpx.get(pod.url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"pod {pod.url} not ready within {timeout}s")
+
+
 def endpoint_flag(pod: Proc) -> str:
     return f"{pod.url},events={pod.extra['events']},replay={pod.extra['replay']}"
 
@@ -124,6 +173,14 @@ class Spawner:
         pod = start_standin(model_dir, self.log_dir, **options)
         self.procs.append(pod)
         return pod
+
+    def serve(self, model_dir, *flags: str) -> Proc:
+        """A real engine pod (not waited for: start several, then ``wait_ready`` each)."""
+        pod = start_serve(model_dir, self.log_dir, *flags)
+        self.procs.append(pod)
+        return pod
+
+    wait_ready = staticmethod(wait_ready)
 
     def router(self, pods: list[Proc], *flags: str) -> Proc:
         router = start_router(pods, self.log_dir, *flags)
