@@ -3,7 +3,8 @@
 Prints one JSON object. For each config a cross-layer KV cache is built, 64 sequences of
 ``ctx`` tokens decode one token each through ``epdserve.kernels.paged_attention`` (the CPU
 twin), and the KV bytes it must read are timed against ``dst.copy_(src)`` of that many
-bytes in the same run. ``ratio`` = twin bytes/s / copy bytes/s (target >= 0.30).
+bytes in the same run (interleaved, best of N). ``ratio`` = twin bytes/s / copy bytes/s
+(target >= 0.30); ``gather_ms`` is the twin's block gather alone (its floor).
 
     .venv/bin/python bench/kernels.py [--quick]
 """
@@ -17,6 +18,7 @@ import time
 import torch
 
 from epdserve.kernels import paged_attention
+from epdserve.kernels.gather import block_ids, gather_blocks
 
 CONFIGS = [  # (name, heads, kv_heads, head_dim)
     ("tiny", 4, 2, 64),
@@ -50,12 +52,19 @@ def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats
     kv_bytes = 2 * seqs * ctx * kv_heads * head_dim * kv.element_size()
     src = torch.randn(kv_bytes // kv.element_size(), dtype=dtype)
     dst = torch.empty_like(src)
-    t_attn, t_copy = best_of_interleaved([lambda: paged_attention(*args), lambda: dst.copy_(src)],
-                                         repeats)  # fmt: skip
+    ids = block_ids(table, None, nblk)
+
+    def gather():
+        gather_blocks(key_cache, ids, "k")
+        gather_blocks(value_cache, ids, "v")
+
+    fns = [lambda: paged_attention(*args), lambda: dst.copy_(src), gather]
+    t_attn, t_copy, t_gather = best_of_interleaved(fns, repeats)
     return {
         "kv_bytes": kv_bytes,
         "twin_ms": round(t_attn * 1e3, 3),
         "copy_ms": round(t_copy * 1e3, 3),
+        "gather_ms": round(t_gather * 1e3, 3),
         "twin_GBps": round(kv_bytes / t_attn / 1e9, 2),
         "copy_GBps": round(kv_bytes / t_copy / 1e9, 2),
         "ratio": round(t_copy / t_attn, 3),

@@ -3,13 +3,13 @@
 Every sequence's blocks are gathered (padded to the longest context) and the ``G = H / KVH``
 query heads of a kv head become ``G`` query rows of that head, so there is no GQA expansion
 and the gathered K/V are read once. Two ways to finish, chosen by measurement
-(``bench/kernels.py``):
+(``bench/kernels.py``, 1-2 threads):
 
-- SDPA straight on the strided gathered views (fp32 logits inside): the default.
-- Two ``bmm`` calls over ``S * KVH`` head-major matrices, with an explicit fp32 softmax:
-  used when ``KVH == 1`` (the gathered layout is already head-major, ~10% faster than SDPA)
-  and for ``soft_cap`` (SDPA cannot cap). Logits come out of ``bmm`` in the input dtype,
-  so bf16 rounds them as HF eager attention does.
+- bf16/fp16, or any ``soft_cap`` (SDPA cannot cap): K/V are gathered head-major
+  (``gather_head_major``) and attention is two ``bmm`` calls over ``S * KVH`` matrices with
+  an explicit fp32 softmax. Logits leave ``bmm`` in the input dtype, so bf16 rounds them
+  as HF eager attention does. 10-25% faster than SDPA, whose bf16 CPU kernel repacks K/V.
+- fp32: SDPA straight on the strided gathered blocks (fp32 sgemm reads them in place).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from epdserve.kernels.gather import block_ids, gather_blocks, heads_major
+from epdserve.kernels.gather import block_ids, gather_blocks, gather_head_major
 from epdserve.kernels.workspace import scratch
 
 
@@ -31,20 +31,26 @@ def decode_attention(query, lens, key_cache, value_cache, block_table, scale, wi
     padded = nblk * bs
     rows = None if seqs is None else torch.tensor(seqs, device=query.device)
     ids = block_ids(block_table, rows, nblk)
-    shape = (num_seqs, padded, kv_heads, head_dim)
-    if soft_cap is None and kv_heads > 1:
-        k = gather_blocks(key_cache, ids, "k").view(shape).transpose(1, 2)
-        v = gather_blocks(value_cache, ids, "v").view(shape).transpose(1, 2)
-        q = query.view(num_seqs, kv_heads, group, head_dim)
-        visible = torch.isfinite(_mask_bias(lens, padded, window, query.device))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None], scale=scale)
-        return out.view(num_seqs, num_heads, head_dim)
-    k = heads_major(gather_blocks(key_cache, ids, "k").view(shape), "kt")
+    if soft_cap is None and query.dtype == torch.float32:
+        return _decode_sdpa(query, lens, key_cache, value_cache, ids, scale, window)
+    k = gather_head_major(key_cache, ids, num_seqs, "k")
     q = query.reshape(num_seqs * kv_heads, group, head_dim)
     logits = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, num_heads, padded)
     probs = _softmax(logits, lens, scale, window, soft_cap)
-    v = heads_major(gather_blocks(value_cache, ids, "v").view(shape), "vt")
+    v = gather_head_major(value_cache, ids, num_seqs, "v")
     out = torch.bmm(probs.view(num_seqs * kv_heads, group, padded), v)
+    return out.view(num_seqs, num_heads, head_dim)
+
+
+def _decode_sdpa(query, lens, key_cache, value_cache, ids, scale, window):
+    num_seqs, num_heads, head_dim = query.shape
+    kv_heads = key_cache.shape[2]
+    shape = (num_seqs, -1, kv_heads, head_dim)
+    k = gather_blocks(key_cache, ids, "k").view(shape).transpose(1, 2)
+    v = gather_blocks(value_cache, ids, "v").view(shape).transpose(1, 2)
+    q = query.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    bias = _mask_bias(lens, k.shape[2], window, query.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, None], scale=scale)
     return out.view(num_seqs, num_heads, head_dim)
 
 

@@ -84,3 +84,24 @@ def test_twin_does_not_modify_its_inputs():
     before = [t.clone() for t in batch.args()]
     paged_attention_ref(*batch.args(), 0.125)
     assert all(torch.equal(a, b) for a, b in zip(before, batch.args(), strict=True))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (8, None), (None, 3.0), (8, 3.0)])
+def test_each_decode_path_matches_naive(kv_heads, window, cap):
+    batch = make_batch(DECODE, 4 * kv_heads, kv_heads, 64, 16)
+    assert_matches_naive(batch, window=window, cap=cap)
+
+
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(1, 64), (2, 64), (2, 128)])
+def test_bf16_decode_paths_are_close_to_naive(kv_heads, head_dim):
+    batch = make_batch(DECODE, 4 * kv_heads, kv_heads, head_dim, 16, dtype=torch.bfloat16)
+    assert_matches_naive(batch, atol=3e-2)
+
+
+def test_results_do_not_alias_the_reused_buffers():
+    first = make_batch(DECODE, 4, 1, 64, 16, seed=1)
+    out = paged_attention_ref(*first.args(), 0.125)
+    kept = out.clone()
+    paged_attention_ref(*make_batch(DECODE, 4, 1, 64, 16, seed=2).args(), 0.125)
+    assert torch.equal(out, kept)
