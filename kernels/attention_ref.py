@@ -91,6 +91,12 @@ def _prefill_one(query, seq: int, ctx: int, args):
     ids = block_ids(block_table[seq : seq + 1], None, -(-ctx // bs))
     k = gather_blocks(key_cache, ids, "k")[:ctx].view(1, ctx, kv_heads, head_dim)
     v = gather_blocks(value_cache, ids, "v")[:ctx].view(1, ctx, kv_heads, head_dim)
+    if q_len == ctx and window is None and soft_cap is None:  # plain prompt: causal kernel
+        q = query.transpose(0, 1).unsqueeze(0)
+        res = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+        )
+        return res[0].transpose(0, 1)
     qpos = torch.arange(ctx - q_len, ctx, device=query.device)
     kpos = torch.arange(ctx, device=query.device)
     mask = kpos[None, :] <= qpos[:, None]

@@ -105,3 +105,15 @@ def test_results_do_not_alias_the_reused_buffers():
     kept = out.clone()
     paged_attention_ref(*make_batch(DECODE, 4, 1, 64, 16, seed=2).args(), 0.125)
     assert torch.equal(out, kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_may_be_a_strided_slice_of_a_fused_qkv_tensor(dtype):
+    batch = make_batch(MIXED, 8, 2, 64, 16, dtype=dtype)
+    qkv = torch.cat([batch.query, torch.zeros_like(batch.query[:, :4])], dim=1)
+    sliced = qkv[:, :8]
+    assert not sliced.is_contiguous()
+    args = (sliced,) + batch.args()[1:]
+    torch.testing.assert_close(
+        paged_attention_ref(*args, 0.125), paged_attention_ref(*batch.args(), 0.125)
+    )

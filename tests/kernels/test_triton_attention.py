@@ -113,3 +113,12 @@ def test_random_sweep_matches_twin(seed):
     window = int(rng.integers(1, 100)) if seed % 3 == 0 else None
     cap = float(rng.uniform(1, 30)) if seed % 4 == 0 else None
     assert_triton_matches_twin(batch, window=window, cap=cap)
+
+
+def test_query_may_be_a_strided_slice_of_a_fused_qkv_tensor():
+    batch = make_batch(MIXED, 4, 2, 64, 16)
+    qkv = torch.cat([batch.query, torch.zeros_like(batch.query[:, :4])], dim=1)
+    args = (qkv[:, :4],) + batch.args()[1:]
+    torch.testing.assert_close(
+        paged_attention_triton(*args, 0.125), paged_attention_ref(*batch.args(), 0.125)
+    )
