@@ -22,6 +22,7 @@ class EngineConfig:
     hash_seed: str | None = None
     seed: int = 0
     enable_kv_events: bool = False
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -33,5 +34,10 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        if self.kv_events_config:
+            from epdserve.connectors.kv_events import KVEventsConfig
+
+            if KVEventsConfig.from_json(self.kv_events_config).active:
+                object.__setattr__(self, "enable_kv_events", True)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")

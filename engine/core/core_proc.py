@@ -18,6 +18,12 @@ import time
 import msgspec
 import zmq
 
+from epdserve.connectors.kv_events import (
+    KVEventsConfig,
+    NullEventPublisher,
+    create_publisher,
+    to_wire_event,
+)
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
@@ -33,8 +39,9 @@ _encode = msgspec.msgpack.Encoder()
 
 
 class CoreLoop:
-    def __init__(self, core: EngineCore, input_sock, output_sock):
+    def __init__(self, core: EngineCore, input_sock, output_sock, publisher=None):
         self.core = core
+        self.publisher = publisher or NullEventPublisher()
         self.input = input_sock
         self.output = output_sock
         self.poller = zmq.Poller()
@@ -46,6 +53,9 @@ class CoreLoop:
             idle = not self.core.has_unfinished_requests()
             self._drain_input(timeout_ms=1000 if idle else 0)
             outputs = self.core.step()
+            events = self.core.take_events()
+            if events:  # one batch per step, in block-pool order
+                self.publisher.publish([to_wire_event(e) for e in events])
             if outputs or self._stats_changed():
                 self._send(outputs)
 
@@ -145,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     log.info(
         "engine core ready: %d KV blocks, max_model_len %d", core.num_blocks, core.max_model_len
     )
-    CoreLoop(core, input_sock, output_sock).run()
+    publisher = None
+    if config.kv_events_config:
+        publisher = create_publisher(KVEventsConfig.from_json(config.kv_events_config))
+    try:
+        CoreLoop(core, input_sock, output_sock, publisher).run()
+    finally:
+        if publisher is not None:
+            publisher.close()
     return 0
 
 

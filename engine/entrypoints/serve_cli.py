@@ -89,6 +89,7 @@ def engine_config(args: argparse.Namespace):
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         hash_seed=args.hash_seed,
         seed=args.seed,
+        kv_events_config=args.kv_events_config or None,
     )
 
 
