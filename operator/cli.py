@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the operator; returns when it stops (SIGTERM/SIGINT)."""
     if args.resync_seconds is not None:  # read by main at import
         os.environ["EPDSERVE_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
+    os.environ["EPDSERVE_WATCH_NAMESPACES"] = ",".join(args.namespace)  # for the resync loop
     import kopf
 
     from epdserve.operator import main  # noqa: F401  (registers the handlers)

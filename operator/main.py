@@ -1,31 +1,35 @@
 """kopf handlers for InferencePool (thin: all logic is in reconcile and the pure builders).
 
 Run with `epdserve operator` or `kopf run -m epdserve.operator.main --standalone`.
-`EPDSERVE_OPERATOR_RESYNC_SECONDS` (default 30) sets the drift-repair/status timer.
+`EPDSERVE_OPERATOR_RESYNC_SECONDS` (default 30) sets the drift-repair/status period.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 
 import kopf
 
 from epdserve.operator.kube import Kube, load_configuration
+from epdserve.operator.meta import MANAGED_BY as MANAGER
+from epdserve.operator.meta import POOL_LABEL
 from epdserve.operator.reconcile import reconcile
+from epdserve.operator.resync import Resyncer, now
 from epdserve.operator.spec import GROUP, PLURAL, VERSION
 
 RESYNC_SECONDS = float(os.environ.get("EPDSERVE_OPERATOR_RESYNC_SECONDS", "30"))
 RETRY_DELAY = float(os.environ.get("EPDSERVE_OPERATOR_RETRY_SECONDS", "5"))
 RESOURCE = (GROUP, VERSION, PLURAL)
+MANAGED = "app.kubernetes.io/managed-by"
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
-    """Standalone (no peering CRD), annotation-based bookkeeping, bounded backoffs."""
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    """Standalone (no peering CRD), annotation-based bookkeeping, no finalizer (no handler
+    needs one: owner references clean up), bounded backoffs; start the resync loop."""
     settings.peering.standalone = True
-    settings.persistence.finalizer = f"{GROUP}/finalizer"  # used only if a handler needs one
+    settings.persistence.finalizer = f"{GROUP}/finalizer"  # unused: no handler requires one
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
@@ -38,11 +42,15 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.watching.reconnect_backoff = 1.0
     settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
     memo.kube = Kube()
+    memo.resyncer = Resyncer(memo.kube, RESYNC_SECONDS)
+    memo.resyncer.start()
 
 
 @kopf.on.cleanup()
-def close(memo: kopf.Memo, **_) -> None:
-    """Release the API client's connection pool."""
+async def close(memo: kopf.Memo, **_) -> None:
+    """Stop the resync loop and release the API client's connection pool."""
+    if getattr(memo, "resyncer", None) is not None:
+        await memo.resyncer.stop()
     if getattr(memo, "kube", None) is not None:
         memo.kube.close()
 
@@ -68,12 +76,13 @@ def login(logger: logging.Logger, **_) -> kopf.ConnectionInfo:
     )
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _run(body, patch, memo, logger, announce: bool, in_timer: bool = False) -> None:
-    outcome = reconcile(memo.kube, dict(body), _now(), announce=announce)
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+def reconcile_pool(body, meta, patch, memo, logger, **_) -> None:
+    """Create/update/resume: apply the whole desired state now, write the status."""
+    with memo.resyncer.lock(meta["namespace"], meta["name"]):
+        outcome = reconcile(memo.kube, dict(body), now(), announce=True)
     for change in outcome.changed:
         logger.info(change)
     if outcome.status:
@@ -82,23 +91,16 @@ def _run(body, patch, memo, logger, announce: bool, in_timer: bool = False) -> N
         kopf.event(body, type=etype, reason=reason, message=message)
     if outcome.retry == "temporary":
         raise kopf.TemporaryError(f"API error, will retry: {outcome.error}", delay=RETRY_DELAY)
-    if outcome.retry == "permanent" and not in_timer:
-        # A spec change (or a fixed cluster policy, seen by the resync timer) is needed.
+    if outcome.retry == "permanent":
+        # Retrying cannot help: the spec (or a cluster policy) must change. The resync loop
+        # keeps looking, so a fixed policy heals without a spec change.
         raise kopf.PermanentError(outcome.error)
 
 
-@kopf.on.resume(*RESOURCE)
-@kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE, field="spec")
-def reconcile_pool(body, patch, memo, logger, **_) -> None:
-    """Create/update/resume: apply the whole desired state."""
-    _run(body, patch, memo, logger, announce=True)
-
-
-@kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def resync_pool(body, patch, memo, logger, **_) -> None:
-    """Periodic drift repair (children edited or deleted by hand) and status refresh."""
-    _run(body, patch, memo, logger, announce=False, in_timer=True)
+@kopf.on.event("apps", "v1", "deployments", labels={POOL_LABEL: kopf.PRESENT, MANAGED: MANAGER})
+async def child_changed(namespace, labels, memo, **_) -> None:
+    """A child Deployment changed (status, hand edit, deletion): resync its pool soon."""
+    memo.resyncer.mark(namespace, labels[POOL_LABEL])
 
 
 @kopf.on.delete(*RESOURCE, optional=True)

@@ -55,18 +55,17 @@ def is_subset(want, have) -> bool:
     return want == have
 
 
-def apply_object(kube: Kube, obj: dict) -> str:
-    """Create or server-side-apply one child; returns created/updated/unchanged/unsupported."""
-    m = obj["metadata"]
-    live = kube.get(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])
+def apply_object(kube: Kube, obj: dict, live: dict | None) -> str:
+    """Create or server-side-apply one child given its live state (None: absent).
+
+    Returns created / updated / unchanged.
+    """
     if live is None:
         try:
             kube.create(obj)
             return "created"
         except ApiError as exc:
-            if exc.status == 404 and obj["kind"] == "ServiceMonitor":
-                return "unsupported"  # prometheus-operator's CRDs are not installed
-            if exc.status != 409:  # 409: someone created it meanwhile; fall through to apply
+            if exc.status != 409:  # 409: it exists after all (e.g. labels edited away)
                 raise
     elif not drifted(live, obj):
         return "unchanged"
@@ -74,79 +73,60 @@ def apply_object(kube: Kube, obj: dict) -> str:
     return "updated"
 
 
-def ensure_secret(kube: Kube, pool: PoolSpec) -> str:
-    """Create the managed Redis password Secret once; an existing one is kept as is."""
-    name = meta.name_of(pool, "redis")
-    if kube.get("v1", "Secret", pool.namespace, name) is not None:
-        return "unchanged"
-    try:
-        kube.create(cache.build_redis_secret(pool, cache.new_password()))
-    except ApiError as exc:
-        if exc.status != 409:
-            raise
-        return "unchanged"
-    return "created"
-
-
-def prune(kube: Kube, pool: PoolSpec, keep: set[tuple[str, str]]) -> list[str]:
-    """Delete children of this pool (by label and owner UID) that are no longer desired."""
+def list_children(kube: Kube, pool: PoolSpec) -> tuple[dict, set[str]]:
+    """Live children by (kind, name), with one LIST per kind; and the kinds not served."""
     selector = f"{meta.POOL_LABEL}={pool.name},app.kubernetes.io/managed-by={meta.MANAGED_BY}"
-    deleted = []
+    live, unserved = {}, set()
     for api_version, kind in PRUNED_KINDS:
         try:
             items = kube.list(api_version, kind, pool.namespace, selector)
         except ApiError as exc:
-            if exc.status == 404:  # e.g. no ServiceMonitor CRD
-                continue
-            raise
+            if exc.status != 404:
+                raise
+            unserved.add(kind)  # e.g. no ServiceMonitor CRD in this cluster
+            continue
         for item in items:
-            m = item.get("metadata") or {}
-            owners = {o.get("uid") for o in m.get("ownerReferences") or []}
-            if (kind, m.get("name")) not in keep and pool.uid in owners:
-                kube.delete(api_version, kind, pool.namespace, m["name"])
-                deleted.append(f"deleted {kind} {m['name']}")
+            live[kind, item["metadata"]["name"]] = {"apiVersion": api_version, **item}
+    return live, unserved
+
+
+def prune(kube: Kube, pool: PoolSpec, live: dict, keep: set[tuple[str, str]]) -> list[str]:
+    """Delete children of this pool (by label and owner UID) that are no longer desired."""
+    deleted = []
+    for (kind, name), item in live.items():
+        owners = {o.get("uid") for o in item["metadata"].get("ownerReferences") or []}
+        if (kind, name) not in keep and pool.uid in owners:
+            kube.delete(item["apiVersion"], kind, pool.namespace, name)
+            deleted.append(f"deleted {kind} {name}")
     return deleted
 
 
 def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcome:
     """Bring the pool's children to the desired state and compute its status.
 
-    `announce` is False for the periodic resync: only condition transitions make Events then.
+    `announce` is False for the periodic resync, which may see a stale status: it posts only
+    the Ready event, so a warning is posted once, by the create/update handler.
     """
     old_status = dict(body.get("status") or {})
     generation = (body.get("metadata") or {}).get("generation")
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        return Outcome(status={})  # being deleted: the garbage collector takes the children
     try:
         pool = parse_pool(body)
     except InvalidSpec as exc:
-        return _degraded("InvalidSpec", str(exc), generation, old_status, now, "permanent")
-    objects = desired_objects(pool)
+        return _degraded("InvalidSpec", str(exc), generation, old_status, now, announce)
     outcome = Outcome(status={})
     try:
-        if pool.cache.backend == "redis" and pool.cache.redis_managed:
-            if ensure_secret(kube, pool) == "created":
-                outcome.changed.append(f"created Secret {meta.name_of(pool, 'redis')}")
-        for obj in objects:
-            result = apply_object(kube, obj)
-            if result in ("created", "updated"):
-                outcome.changed.append(f"{result} {obj['kind']} {obj['metadata']['name']}")
-            elif result == "unsupported" and announce:
-                msg = "metrics.serviceMonitor is enabled but the ServiceMonitor CRD is missing"
-                outcome.events.append(("Warning", "NoServiceMonitorCRD", msg))
-        keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
-        if pool.cache.backend == "redis" and pool.cache.redis_managed:
-            keep.add(("Secret", meta.name_of(pool, "redis")))
-        outcome.changed += prune(kube, pool, keep)
-        replicas = desired_replicas(pool)
-        live = {
-            name: kube.get("apps/v1", "Deployment", pool.namespace, name)
-            for name, _ in replicas.values()
-        }
+        live, unserved = list_children(kube, pool)
+        _apply_all(kube, pool, live, unserved, outcome, announce)
     except ApiError as exc:
         if exc.transient:
             return Outcome(status={}, retry="temporary", error=str(exc))
-        return _degraded("ApplyFailed", str(exc), generation, old_status, now, "permanent")
+        return _degraded("ApplyFailed", str(exc), generation, old_status, now, announce)
+    replicas = desired_replicas(pool)
+    deployments = {name: d for (kind, name), d in live.items() if kind == "Deployment"}
     status = pool_status(
-        counts_for(replicas, live),
+        counts_for(replicas, deployments),
         router.endpoint_url(pool),
         pool.hash_seed,
         generation,
@@ -159,7 +139,34 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
     return outcome
 
 
-def _degraded(reason: str, message: str, generation, old_status: dict, now: str, retry: str):
+def _apply_all(kube, pool, live, unserved, outcome, announce) -> None:
+    objects = desired_objects(pool)
+    keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    if pool.cache.backend == "redis" and pool.cache.redis_managed:
+        secret = meta.name_of(pool, "redis")
+        keep.add(("Secret", secret))
+        if ("Secret", secret) not in live:
+            try:  # created once with a fresh password, never overwritten
+                kube.create(cache.build_redis_secret(pool, cache.new_password()))
+                outcome.changed.append(f"created Secret {secret}")
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+    for obj in objects:
+        if obj["kind"] in unserved:
+            if announce:
+                msg = f"{obj['kind']} is not served by this cluster (CRD missing); skipped"
+                outcome.events.append(("Warning", f"No{obj['kind']}", msg))
+            continue
+        result = apply_object(kube, obj, live.get((obj["kind"], obj["metadata"]["name"])))
+        if result != "unchanged":
+            outcome.changed.append(f"{result} {obj['kind']} {obj['metadata']['name']}")
+    outcome.changed += prune(kube, pool, live, keep)
+
+
+def _degraded(reason: str, message: str, generation, old_status: dict, now: str, announce: bool):
+    """A failure that needs a spec (or cluster policy) change; warns once per transition."""
     status = degraded_status(reason, message, generation, old_status, now)
-    events = [("Warning", reason, message)] if is_transition(old_status, status, "Degraded") else []
-    return Outcome(status=status, events=events, retry=retry, error=message)
+    warn = announce and is_transition(old_status, status, "Degraded")
+    events = [("Warning", reason, message)] if warn else []
+    return Outcome(status=status, events=events, retry="permanent", error=message)

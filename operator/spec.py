@@ -100,10 +100,19 @@ class PoolSpec:
         return "colocated" not in self.roles
 
 
+def _resources(raw: dict | None) -> dict:
+    """Quantities as strings, as the API server returns them (`1` -> `"1"`)."""
+    return {
+        kind: {name: str(q) for name, q in (values or {}).items()}
+        for kind, values in (raw or {}).items()
+        if kind in ("requests", "limits")
+    }
+
+
 def _role(raw: dict) -> RoleSpec:
     return RoleSpec(
         replicas=int(raw.get("replicas", 1)),
-        resources=dict(raw.get("resources") or {}),
+        resources=_resources(raw.get("resources")),
         args=tuple(raw.get("args") or ()),
         env=tuple(raw.get("env") or ()),
         node_selector=dict(raw.get("nodeSelector") or {}),
@@ -121,7 +130,7 @@ def _cache(raw: dict) -> CacheSpec:
         redis_secret=(ref["name"], ref.get("key", "password")) if ref else None,
         redis_managed=bool(redis.get("managed", False)),
         redis_image=redis.get("image", "redis:7.4-alpine"),
-        redis_resources=dict(redis.get("resources") or {}),
+        redis_resources=_resources(redis.get("resources")),
         storage_claim=storage.get("claimName"),
         storage_path=storage.get("path", "/cache"),
     )
@@ -173,7 +182,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
             replicas=int(router.get("replicas", 1)),
             strategy=router.get("strategy", "prefix+load"),
             image=router.get("image") or engine["image"],
-            resources=dict(router.get("resources") or {}),
+            resources=_resources(router.get("resources")),
             node_selector=dict(router.get("nodeSelector") or {}),
             tolerations=tuple(router.get("tolerations") or ()),
             service_type=service.get("type", "ClusterIP"),

@@ -65,6 +65,7 @@ class ApiEmulator(kmock.KubernetesEmulator):
     compacted: int = attrs.field(default=0, init=False)  # watches from before this get 410
     _waiters: set = attrs.field(factory=set, init=False)  # one asyncio.Event per open watch
     _epoch: int = attrs.field(default=0, init=False)  # bumped to cut every open watch
+    journal_limit: int = 64  # requests kept in kmock's journal (`emulator.requests`)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -72,6 +73,9 @@ class ApiEmulator(kmock.KubernetesEmulator):
         self.resources.load_bundled()
 
     async def _handle(self, request):
+        # kmock checks each reaction against its whole request journal (quadratic over a
+        # test); keep the recent requests only. Faults count their own hits (see `fail`).
+        del self._requests[: -self.journal_limit]
         # Skip kmock's own in-place object bookkeeping: every change happens in the _serve_*
         # fallbacks below, so a fault injected by a reaction leaves the state untouched.
         return await super(kmock.KubernetesEmulator, self)._handle(request)
@@ -119,7 +123,15 @@ class ApiEmulator(kmock.KubernetesEmulator):
         if res == CRDS:
             self._serve_crd(obj)
         self._record(res, "ADDED", obj)
+        if self._orphaned(obj):  # the garbage collector takes objects whose owners are gone
+            self.remove(res, namespace, meta["name"])
         return obj
+
+    def _orphaned(self, obj: dict) -> bool:
+        owners = {o.get("uid") for o in obj["metadata"].get("ownerReferences") or []}
+        if not owners:
+            return False
+        return not any(o["metadata"].get("uid") in owners for o in self.store.values())
 
     def update(self, res: str, namespace: str | None, name: str, new: dict, status: bool) -> dict:
         """Replace an object's content; `status` selects the status subresource."""
@@ -229,9 +241,15 @@ class ApiEmulator(kmock.KubernetesEmulator):
         if name:
             criteria.append(kmock.name(name))
         reason = {409: "Conflict", 429: "TooManyRequests"}.get(status, "InternalError")
-        view = self[tuple(criteria)]
-        seen = len(list(view))  # kmock slices count matching requests from the first one
-        return view[seen : seen + times] << status << status_body(status, reason)
+        left = [times]
+
+        def respond():
+            if left[0] <= 0:
+                return NotImplemented  # spent: kmock disables this reaction, fallbacks serve
+            left[0] -= 1
+            return kmock.Response(status=status, payload=status_body(status, reason))
+
+        return self[tuple(criteria)] << respond
 
     # -- HTTP handlers -------------------------------------------------------------------
 
@@ -322,7 +340,8 @@ class ApiEmulator(kmock.KubernetesEmulator):
 
     async def _serve_update(self, request):
         res, namespace = self._resolve(request)
-        ctype = (request.headers.get("Content-Type") or "").split(";")[0]
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        ctype = (headers.get("content-type") or "").split(";")[0].strip()
         status = request.subresource == "status"
         live = self.store.get((res, namespace, request.name))
         try:

@@ -1,0 +1,187 @@
+"""The real operator (kopf.testing.KopfRunner) against the API emulator, driven with the
+official `kubernetes` client: create, scale, new image, drift repair, invalid specs,
+readiness and status, deletion."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from conftest import wait_for
+from pools import example, pool_body
+
+NS = "default"
+GVP = ("epdserve.io", "v1alpha1")
+
+
+@pytest.fixture
+def make_pool(cluster):
+    """Create pools through the API; delete them (and wait for their children) afterwards."""
+    created = []
+
+    def make(body: dict) -> dict:
+        body = copy.deepcopy(body)
+        for field in ("uid", "generation"):
+            body["metadata"].pop(field, None)
+        body["metadata"]["namespace"] = NS
+        created.append(body["metadata"]["name"])
+        return cluster.custom.create_namespaced_custom_object(*GVP, NS, "inferencepools", body)
+
+    yield make
+    for name in created:
+        if cluster.pool(NS, name) is not None:
+            cluster.custom.delete_namespaced_custom_object(*GVP, NS, "inferencepools", name)
+        wait_for(lambda n=name: not cluster.children(NS, n), what=f"{name} children gone")
+
+
+def patch_pool(cluster, name: str, patch: dict) -> None:
+    cluster.custom.patch_namespaced_custom_object(*GVP, NS, "inferencepools", name, patch)
+
+
+def deployment(cluster, name: str):
+    return cluster.apps.read_namespaced_deployment(name, NS)
+
+
+def condition(pool: dict | None, ctype: str) -> dict:
+    conditions = ((pool or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == ctype), {})
+
+
+def test_create_makes_every_child_with_an_owner_reference(cluster, make_pool):
+    uid = make_pool(example("pd-redis"))["metadata"]["uid"]
+    expected = {
+        ("ConfigMap", "llama-pd-config"),
+        ("Secret", "llama-pd-redis"),
+        ("ServiceAccount", "llama-pd-router"),
+        ("Role", "llama-pd-router"),
+        ("RoleBinding", "llama-pd-router"),
+        ("Deployment", "llama-pd-prefill"),
+        ("Deployment", "llama-pd-decode"),
+        ("Deployment", "llama-pd-router"),
+        ("Deployment", "llama-pd-redis"),
+        ("Service", "llama-pd-prefill"),
+        ("Service", "llama-pd-decode"),
+        ("Service", "llama-pd-redis"),
+        ("Service", "llama-pd"),
+    }
+    children = wait_for(
+        lambda: (c := cluster.children(NS, "llama-pd")) and expected <= set(c) and c,
+        what="all children",
+    )
+    for key in expected:
+        owners = children[key]["metadata"]["ownerReferences"]
+        assert [o["uid"] for o in owners] == [uid], key
+    dep = deployment(cluster, "llama-pd-prefill")  # typed client parses what we created
+    assert dep.spec.template.spec.containers[0].command[3:5] == ["--role", "prefill"]
+    status = wait_for(lambda: (cluster.pool(NS, "llama-pd").get("status") or {}).get("phase"))
+    assert status == "Progressing"
+
+
+def test_scaling_a_role_patches_its_deployment(cluster, make_pool):
+    make_pool(pool_body("scale", roles={"prefill": {}, "decode": {}}, cache=REDIS))
+    wait_for(lambda: deployment(cluster, "scale-decode").spec.replicas == 1, what="decode")
+    patch_pool(cluster, "scale", {"spec": {"roles": {"decode": {"replicas": 5}}}})
+    wait_for(lambda: deployment(cluster, "scale-decode").spec.replicas == 5, what="scaled")
+    assert deployment(cluster, "scale-prefill").spec.replicas == 1
+
+
+def test_a_new_image_updates_every_deployment(cluster, make_pool):
+    make_pool(pool_body("img", roles={"prefill": {}, "decode": {}}, cache=REDIS))
+    names = ["img-prefill", "img-decode", "img-router"]
+    wait_for(lambda: all(deployment(cluster, n) for n in names), what="deployments")
+    patch_pool(cluster, "img", {"spec": {"engine": {"image": "img:2"}}})
+
+    def images():
+        return {n: deployment(cluster, n).spec.template.spec.containers[0].image for n in names}
+
+    wait_for(lambda: set(images().values()) == {"img:2"}, what="new image")
+
+
+def test_a_deployment_deleted_by_hand_comes_back(cluster, make_pool):
+    make_pool(pool_body("drift"))
+    old_uid = wait_for(lambda: deployment(cluster, "drift-colocated").metadata.uid)
+    cluster.apps.delete_namespaced_deployment("drift-colocated", NS)
+    wait_for(
+        lambda: deployment(cluster, "drift-colocated").metadata.uid != old_uid, what="recreated"
+    )
+
+
+def test_a_deployment_edited_by_hand_is_repaired(cluster, make_pool):
+    make_pool(pool_body("edit"))
+    wait_for(lambda: deployment(cluster, "edit-colocated"))
+    cluster.apps.patch_namespaced_deployment("edit-colocated", NS, {"spec": {"replicas": 7}})
+    wait_for(lambda: deployment(cluster, "edit-colocated").spec.replicas == 1, what="repaired")
+
+
+def test_an_invalid_spec_sets_a_condition_and_an_event_and_creates_nothing(cluster, make_pool):
+    make_pool(pool_body("bad", roles={"prefill": {"replicas": 1}}, cache=REDIS))
+    pool = wait_for(
+        lambda: (p := cluster.pool(NS, "bad")) and condition(p, "Degraded") and p,
+        what="Degraded",
+    )
+    degraded = condition(pool, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert "needs decode" in degraded["message"]
+    assert pool["status"]["phase"] == "Degraded"
+    assert cluster.children(NS, "bad") == {}
+
+    def invalid_spec_events():
+        events = cluster.core.list_namespaced_event(NS).items
+        return [e for e in events if e.reason == "InvalidSpec" and e.involved_object.name == "bad"]
+
+    (event,) = wait_for(invalid_spec_events, what="InvalidSpec event")
+    assert event.type == "Warning"
+    # Fixing the spec recovers the pool.
+    patch_pool(cluster, "bad", {"spec": {"roles": {"decode": {"replicas": 1}}}})
+    wait_for(lambda: ("Deployment", "bad-decode") in cluster.children(NS, "bad"), what="fixed")
+    wait_for(lambda: condition(cluster.pool(NS, "bad"), "Degraded").get("status") == "False")
+
+
+def test_ready_deployments_make_the_pool_ready_with_counts_and_endpoint(cluster, make_pool):
+    make_pool(pool_body("ready", roles={"prefill": {"replicas": 2}, "decode": {}}, cache=REDIS))
+    names = {"ready-prefill": 2, "ready-decode": 1, "ready-router": 1, "ready-redis": 1}
+    wait_for(lambda: all(deployment(cluster, n) for n in names), what="deployments")
+    for name, replicas in names.items():
+        status = {"replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas}
+        cluster.apps.patch_namespaced_deployment_status(name, NS, {"status": status})
+    pool = wait_for(
+        lambda: (p := cluster.pool(NS, "ready"))["status"].get("phase") == "Ready" and p,
+        what="Ready",
+    )
+    status = pool["status"]
+    assert status["roles"]["prefill"] == {"desired": 2, "ready": 2}
+    assert status["ready"] == "5/5"
+    assert status["endpoint"] == "http://ready.default.svc:80"
+    assert status["observedGeneration"] == pool["metadata"]["generation"]
+    assert condition(pool, "Ready")["reason"] == "AllReplicasReady"
+    assert condition(pool, "Progressing")["status"] == "False"
+
+
+def test_switching_roles_prunes_the_old_deployment(cluster, make_pool):
+    make_pool(pool_body("switch", cache=REDIS))
+    wait_for(lambda: ("Deployment", "switch-colocated") in cluster.children(NS, "switch"))
+    patch_pool(
+        cluster,
+        "switch",
+        {"spec": {"roles": {"colocated": None, "prefill": {}, "decode": {}}}},
+    )
+
+    def switched():
+        kids = cluster.children(NS, "switch")
+        return ("Deployment", "switch-decode") in kids and (
+            "Deployment",
+            "switch-colocated",
+        ) not in kids
+
+    wait_for(switched, what="colocated pruned, P/D created")
+
+
+def test_deleting_the_pool_deletes_its_children(cluster, make_pool):
+    make_pool(pool_body("gone", roles={"prefill": {}, "decode": {}}, cache=REDIS))
+    wait_for(lambda: len(cluster.children(NS, "gone")) >= 10, what="children")
+    cluster.custom.delete_namespaced_custom_object(*GVP, NS, "inferencepools", "gone")
+    wait_for(lambda: cluster.pool(NS, "gone") is None, what="pool gone")
+    wait_for(lambda: cluster.children(NS, "gone") == {}, what="children gone")
+
+
+REDIS = {"backend": "redis", "redis": {"managed": True}}
