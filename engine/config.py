@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+ROLES = ("both", "prefill", "decode")  # "encoder" comes with encoder disaggregation
+ROLE_NEEDS = {"prefill": ("is_producer", "kv_producer"), "decode": ("is_consumer", "kv_consumer")}
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,8 @@ class EngineConfig:
     seed: int = 0
     enable_kv_events: bool = False
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON
+    kv_transfer_config: str | None = None  # vLLM's --kv-transfer-config JSON
+    role: str = "both"  # both | prefill | decode (DESIGN.md §2)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -41,3 +45,20 @@ class EngineConfig:
                 object.__setattr__(self, "enable_kv_events", True)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")
+        self._check_role()
+
+    def _check_role(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
+        transfer = None
+        if self.kv_transfer_config:
+            from epdserve.connectors.kv_connector import KVTransferConfig
+
+            transfer = KVTransferConfig.from_json(self.kv_transfer_config)
+        if self.role in ROLE_NEEDS:
+            attr, kv_role = ROLE_NEEDS[self.role]
+            if transfer is None or not getattr(transfer, attr):
+                raise ValueError(
+                    f"kv_transfer_config: role {self.role} needs a KV connector with kv_role "
+                    f"{kv_role} or kv_both"
+                )

@@ -46,7 +46,7 @@ class CoreLoop:
         self.output = output_sock
         self.poller = zmq.Poller()
         self.poller.register(input_sock, zmq.POLLIN)
-        self.last_counts = (0, 0, 0, 0)
+        self.last_counts: tuple = ()
 
     def run(self) -> None:
         while True:
@@ -90,14 +90,19 @@ class CoreLoop:
             )
 
     def _stats_changed(self) -> bool:
-        s = self.core.scheduler
-        counts = (
+        return self._counts() != self.last_counts
+
+    def _counts(self) -> tuple:
+        s, kv = self.core.scheduler, self.core.kv
+        transfer = s.kv_transfer
+        external = (transfer.queries, transfer.hits, transfer.load_failures) if transfer else ()
+        return (
             s.num_running(),
             s.num_waiting(),
-            self.core.kv.prefix_queries,
-            self.core.kv.num_free_blocks(),
+            kv.prefix_queries,
+            kv.num_free_blocks(),
+            *external,
         )
-        return counts != self.last_counts
 
     def _send(self, outputs: list[EngineCoreOutput]) -> None:
         s, kv = self.core.scheduler, self.core.kv
@@ -110,12 +115,11 @@ class CoreLoop:
             s.num_preemptions,
             self.core.step_count,
         )
-        self.last_counts = (
-            s.num_running(),
-            s.num_waiting(),
-            kv.prefix_queries,
-            kv.num_free_blocks(),
-        )
+        if s.kv_transfer is not None:
+            stats.external_queries = s.kv_transfer.queries
+            stats.external_hits = s.kv_transfer.hits
+            stats.kv_load_failures = s.kv_transfer.load_failures
+        self.last_counts = self._counts()
         self.output.send(_encode.encode(EngineCoreOutputs(outputs, time.time(), stats)), copy=False)
 
 
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         CoreLoop(core, input_sock, output_sock, publisher).run()
     finally:
+        core.close()
         if publisher is not None:
             publisher.close()
     return 0

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 import torch
 
+from epdserve.connectors.kv_connector import KVTransferConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.interfaces import EngineCoreOutput
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
+from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
+from epdserve.engine.kv_transfer.setup import create_kv_connectors
 from epdserve.engine.models.loader import load_model
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes
 
 DEFAULT_KV_CACHE_CAP = 1 << 30
+IDLE_POLL_S = 0.001
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -26,6 +31,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = 0.0
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineCore:
@@ -48,16 +54,35 @@ class EngineCore:
             config.enable_prefix_caching,
             config.enable_kv_events,
         )
+        connectors = create_kv_connectors(config, self._block_shape())
+        self.kv_connectors = connectors or ()
+        coordinator = None
+        if connectors:
+            can_load = KVTransferConfig.from_json(config.kv_transfer_config).is_consumer
+            coordinator = KVTransferCoordinator(connectors[0], self.kv, can_load)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            coordinator,
         )
         self.runner = ModelRunner(
-            self.model, self.num_blocks, config.block_size, config.max_num_seqs, self.max_model_len
+            self.model,
+            self.num_blocks,
+            config.block_size,
+            config.max_num_seqs,
+            self.max_model_len,
+            connectors[1] if connectors else None,
         )
         hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
         self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
         self.eos_token_ids = model_cfg.eos_token_ids
         self.step_count = 0
+
+    def _block_shape(self) -> tuple[int, ...]:
+        cfg = self.model.config
+        return (cfg.num_layers, 2, self.config.block_size, cfg.num_kv_heads, cfg.head_dim)
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
         cfg = self.config
@@ -98,8 +123,14 @@ class EngineCore:
                 eos,
                 self.hasher,
                 req.arrival_time or time.monotonic(),
+                self._kv_transfer_params(req.kv_transfer_params),
             )
         )
+
+    def _kv_transfer_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        if self.config.role == "prefill" and not params:
+            return {"do_remote_decode": True}  # a prefill pod always hands its blocks over
+        return params
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -113,7 +144,13 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute_model(sched)
         self.step_count += 1
+        if not sched.total_num_scheduled_tokens:
+            time.sleep(IDLE_POLL_S)  # only connector work in flight: poll, don't spin
         return self.scheduler.update_from_output(sched, result)
+
+    def close(self) -> None:
+        for connector in self.kv_connectors:
+            connector.close()
 
     def take_events(self) -> list:
         return self.kv.take_events()

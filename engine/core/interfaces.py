@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
+from epdserve.connectors.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from epdserve.engine.sampling_params import SamplingParams
 
 
@@ -30,6 +33,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # the runner drops their state (finished or preempted)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -45,6 +49,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: list[list[int]]  # empty list: a partial prefill chunk, nothing sampled
     logprobs: dict[str, Logprobs] = {}
     prompt_logprobs: dict[str, Logprobs] = {}
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -55,6 +60,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # for the next pod (P/D), on the last output
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -68,6 +74,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     num_steps: int = 0
     num_scheduled_tokens: int = 0
+    external_queries: int = 0  # tokens looked up in a KV connector's store
+    external_hits: int = 0  # tokens loaded from it
+    kv_load_failures: int = 0  # blocks a load could not fill (recomputed instead)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

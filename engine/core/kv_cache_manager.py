@@ -58,8 +58,12 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        delay_cache: bool = False,
     ) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens; None (nothing changed) if it can't."""
+        """Make room for ``num_new_tokens`` more tokens; None (nothing changed) if it can't.
+
+        ``delay_cache``: the new blocks are still being filled (a KV connector's load), so
+        they are not named in the prefix cache until ``cache_blocks`` says they are valid."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -75,8 +79,16 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
         blocks.extend(new_blocks)
-        self._cache_blocks(request, blocks, total)
+        if not delay_cache:
+            self._cache_blocks(request, blocks, total)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Name the request's full blocks up to ``num_tokens`` in the prefix cache."""
+        self._cache_blocks(request, self.req_blocks.get(request.request_id, []), num_tokens)
+
+    def has_blocks(self, request_id: str) -> bool:
+        return bool(self.req_blocks.get(request_id))
 
     def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], total: int) -> None:
         if not self.enable_caching:
@@ -97,8 +109,15 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so its prefix outlives its suffix."""
-        blocks = self.req_blocks.pop(request.request_id, [])
+        self.release(self.detach(request))
+
+    def detach(self, request: Request) -> list[KVCacheBlock]:
+        """Take a request's blocks away from it, still referenced (a connector is using them)."""
         self.num_cached_blocks.pop(request.request_id, None)
+        return self.req_blocks.pop(request.request_id, [])
+
+    def release(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop the references ``detach`` kept, tail first."""
         self.pool.free_blocks(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -37,6 +37,7 @@ class Request:
         eos_token_id: int | None = None,
         hasher: BlockHasher | None = None,
         arrival_time: float | None = None,
+        kv_transfer_params: dict | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -58,6 +59,7 @@ class Request:
             hasher.extend(self.block_hashes, self.all_token_ids)
         # prompt logprobs need every prompt position computed here, never read from cache
         self.skip_prefix_cache = params.prompt_logprobs is not None
+        self.kv_transfer_params = kv_transfer_params  # P/D hand-over (vLLM's field)
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,9 @@ lowest-priority running request is preempted (recomputed later).
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
+from epdserve.connectors.kv_connector import ScheduledRequest
 from epdserve.engine.core.interfaces import (
     CachedRequestData,
     EngineCoreOutput,
@@ -20,6 +22,9 @@ from epdserve.engine.core.interfaces import (
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.request import Request, RequestStatus
 
+if TYPE_CHECKING:
+    from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
+
 
 class Scheduler:
     def __init__(
@@ -28,8 +33,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        kv_transfer: KVTransferCoordinator | None = None,
     ):
         self.kv = kv_cache_manager
+        self.kv_transfer = kv_transfer  # a KV connector's scheduler side, if any
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -53,20 +60,27 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.waiting.remove(request)
             request.status = status
             self._free(request)
             done.append(request)
         return done
 
-    def _free(self, request: Request) -> None:
-        self.kv.free(request)
+    def _free(self, request: Request) -> tuple[dict | None, bool]:
+        """Free (or hand to the connector) a finished request: ``(kv_transfer_params, held)``."""
+        result = None, False
+        if self.kv_transfer is None:
+            self.kv.free(request)
+        else:
+            result = self.kv_transfer.finish(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return result
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        pending = self.kv_transfer is not None and self.kv_transfer.has_pending()
+        return bool(self.waiting or self.running or pending)
 
     # --- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -108,11 +122,13 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, n, num_hit_tokens, hits) is None:
+            admitted = self._admit(request, budget)
+            if admitted is None:
                 break
             self.waiting.popleft()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue  # its prefix is loading; it comes back when the load is done
+            num_hit_tokens, n = admitted
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -124,8 +140,30 @@ class Scheduler:
 
         return self._build_output(new_reqs, cached_reqs, new_block_ids, num_scheduled)
 
+    def _admit(self, request: Request, budget: int) -> tuple[int, int] | None:
+        """Allocate a waiting request's blocks: ``(computed tokens, tokens to schedule)``,
+        or None if they do not fit. A connector may instead start loading its prefix."""
+        if self.kv.has_blocks(request.request_id):  # a finished load left its blocks
+            num_hit_tokens = request.num_computed_tokens
+            n = min(request.num_tokens - num_hit_tokens, budget)
+            return None if self.kv.allocate_slots(request, n) is None else (num_hit_tokens, n)
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        if self.kv_transfer is not None:
+            started = self.kv_transfer.start_load(request, hits, num_hit_tokens)
+            if started is None:
+                return None
+            if started:
+                return request.num_computed_tokens, 0
+        n = min(request.num_tokens - num_hit_tokens, budget)
+        if self.kv.allocate_slots(request, n, num_hit_tokens, hits) is None:
+            return None
+        return num_hit_tokens, n
+
     def _preempt(self, victim: Request, num_scheduled: dict, cached_reqs: list) -> None:
-        self.kv.free(victim)
+        if self.kv_transfer is None:
+            self.kv.free(victim)
+        else:
+            self.kv_transfer.preempt(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -160,6 +198,13 @@ class Scheduler:
         )
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+        if self.kv_transfer is not None:
+            out.kv_connector_metadata = self.kv_transfer.build_meta(
+                [
+                    ScheduledRequest(r, self.kv.get_block_ids(r.request_id), r.num_computed_tokens)
+                    for r in new_reqs + cached_reqs
+                ]
+            )
         return out
 
     # --- after the forward -------------------------------------------------------------
@@ -167,6 +212,10 @@ class Scheduler:
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs = []
+        if self.kv_transfer is not None:
+            ready, released = self.kv_transfer.update(result.kv_connector_output)
+            self.waiting.extendleft(reversed(ready))
+            outputs.extend(released)
         for req_id, token_ids in zip(result.req_ids, result.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             if request is None:
@@ -177,12 +226,15 @@ class Scheduler:
             if token_ids:
                 request.append_output_token_ids(token_ids)
                 self._check_stop(request)
-            outputs.append(
-                self._make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
-            )
+            output = self._make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
+            held = False
             if request.is_finished:
                 self.running.remove(request)
-                self._free(request)
+                output.kv_transfer_params, held = self._free(request)
+            if held and output.kv_transfer_params is not None:
+                self.kv_transfer.hold_output(output)  # sent once the next pod can load it
+            else:
+                outputs.append(output)
         return outputs
 
     def _make_output(
@@ -224,4 +276,5 @@ class Scheduler:
         return len(self.running)
 
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        loading = len(self.kv_transfer.loading) if self.kv_transfer is not None else 0
+        return len(self.waiting) + loading

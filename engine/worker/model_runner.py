@@ -29,6 +29,7 @@ class ModelRunner:
         block_size: int,
         max_num_reqs: int,
         max_model_len: int,
+        kv_connector=None,
     ):
         cfg = model.config
         self.model = model
@@ -42,6 +43,9 @@ class ModelRunner:
             (self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(cfg.num_layers)
         ]
         self.batch = InputBatch(max_num_reqs, max_model_len, block_size)
+        self.kv_connector = kv_connector  # worker side of a KV connector, if any
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_cache)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -63,11 +67,20 @@ class ModelRunner:
             self.batch.append_blocks(row, block_ids)
             self.batch.num_computed[row] = computed
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
-        if not sched.num_scheduled_tokens:
-            return ModelRunnerOutput([], [])
+        connector = self.kv_connector
+        if connector is not None:
+            connector.bind_connector_metadata(sched.kv_connector_metadata)
+            connector.start_load_kv()
+        out = self._forward(sched) if sched.num_scheduled_tokens else ModelRunnerOutput([], [])
+        if connector is not None:
+            connector.wait_for_save()
+            out.kv_connector_output = connector.take_output(set(sched.finished_req_ids))
+        return out
+
+    @torch.inference_mode()
+    def _forward(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         inputs = self.batch.prepare(sched.num_scheduled_tokens)
         meta = AttentionMetadata(
             inputs.positions,

@@ -1,0 +1,148 @@
+"""The KV-connector seam (vLLM v1 shape): one class, two roles, plain values across.
+
+The scheduler-side instance decides what to load and save and hands the worker-side
+instance a ``KVConnectorMetadata`` each step (inside the scheduler output); the worker side
+moves blocks between the paged KV cache and the store and reports back a
+``KVConnectorOutput`` (inside the model-runner output). Nothing here imports the engine:
+requests are seen through the small ``KVRequest`` protocol.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple, Protocol
+
+import msgspec
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class KVRequest(Protocol):
+    """What a connector reads of an engine request."""
+
+    request_id: str
+    block_hashes: list[bytes]  # one per full block of tokens, chained
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+class ScheduledRequest(NamedTuple):
+    """A request scheduled this step: its blocks and its computed tokens after the step."""
+
+    request: KVRequest
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class BlockTransfer(msgspec.Struct, array_like=True):
+    """Blocks of one request to move: ``block_ids[i]`` holds the block named ``block_hashes[i]``."""
+
+    req_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Scheduler side -> worker side, once per step."""
+
+    loads: list[BlockTransfer] = []  # start now; the request waits until they finish
+    saves: list[BlockTransfer] = []  # after this step's forward (the blocks are full then)
+
+
+class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Worker side -> scheduler, once per step."""
+
+    finished_sending: list[str] = []  # finished requests whose saves are all done
+    finished_recving: list[str] = []  # requests whose loads are done (failed or not)
+    invalid_block_ids: list[int] = []  # blocks a finished load could not fill
+
+
+class KVConnectorBase(ABC):
+    """A KV connector; ``role`` says which half of the methods an instance serves."""
+
+    def __init__(self, role: KVConnectorRole):
+        self.role = role
+
+    # --- scheduler side -------------------------------------------------------------
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: KVRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` (whole blocks) the connector can load, and
+        whether the load is asynchronous. Never the prompt's last token. Mutates only the
+        connector's own bookkeeping."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: KVRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Blocks are allocated: queue a load of the ``num_external_tokens`` tokens that
+        follow the locally computed ones into ``block_ids`` (the request's whole block list)."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduled: list[ScheduledRequest]) -> KVConnectorMetadata:
+        """This step's loads (queued since the last call) and saves (blocks that become full
+        in this step's forward). Resets the queued loads."""
+
+    @abstractmethod
+    def request_finished(
+        self, request: KVRequest, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, kv_transfer_params)``: whether the blocks must outlive the request
+        until ``finished_sending`` names it, and what to hand the next pod (None: nothing).
+        Forgets the request."""
+
+    # --- worker side ----------------------------------------------------------------
+    @abstractmethod
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        """The paged cache ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``."""
+
+    @abstractmethod
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:
+        """This step's instructions (before the forward)."""
+
+    @abstractmethod
+    def start_load_kv(self) -> None:
+        """Start the bound loads in the background (they fill blocks no one reads yet)."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until ``layer_name`` is loaded. Whole cross-layer blocks are loaded before
+        their request is scheduled, so this never waits."""
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+        """Per-layer save hook. Blocks are cross-layer spans saved whole in ``wait_for_save``."""
+        return None
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """After the forward: hand the bound saves to the background writer. Their blocks
+        stay allocated until ``get_finished`` reports the request."""
+
+    @abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """``(done_sending, done_recving)``: finished requests (``finished_req_ids`` are this
+        step's finished or preempted ones) whose saves are done, and requests whose loads are
+        done. Forgets what it reports."""
+
+    @abstractmethod
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of loads reported done that could not be filled (and every later block of
+        the same load, since a prefix is only usable up to its first hole). Resets the set."""
+
+    def close(self) -> None:
+        """Finish background work and release the store."""
+        return None
+
+    # --- shared helpers -----------------------------------------------------------------
+    def take_output(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorOutput(
+            sorted(sending), sorted(recving), sorted(self.get_block_ids_with_load_errors())
+        )

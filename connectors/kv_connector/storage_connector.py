@@ -1,0 +1,261 @@
+"""KV connectors over a ``BlockStore``: ``RedisConnector`` and ``SharedStorageConnector``.
+
+Scheduler side: looks up how many leading prompt blocks the store holds (or trusts the
+hashes a prefill pod handed over), queues loads into freshly allocated blocks, and asks for
+each block to be saved once, right after the forward that fills it. Worker side: loads and
+saves whole cross-layer blocks on two background threads (so saves never delay a load).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from epdserve.connectors.kv_connector.base import (
+    BlockTransfer,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVRequest,
+    ScheduledRequest,
+)
+from epdserve.connectors.kv_connector.config import KVTransferConfig
+from epdserve.connectors.storage import (
+    AsyncBlockStore,
+    BlockStore,
+    KVBlockIO,
+    KVBlockMeta,
+    create_store,
+    kv_key,
+    store_config,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What makes stored blocks interchangeable between pods (see DESIGN.md §3)."""
+
+    fingerprint: str  # model + dtype + cache geometry
+    block_size: int
+    hash_algo: str
+
+
+class StorageConnector(KVConnectorBase):
+    """A connector whose blocks live in a shared ``BlockStore`` named by the config."""
+
+    backend_key: ClassVar[str] = ""  # the extra-config key that selects the backend
+
+    @classmethod
+    def check_extra_config(cls, extra: dict[str, Any]) -> None:
+        where = "kv_transfer_config.kv_connector_extra_config"
+        if cls.backend_key not in extra:
+            raise ValueError(f"{where}.{cls.backend_key}: required by {cls.__name__}")
+        options = {k: v for k, v in extra.items() if k != "pool"}
+        try:
+            store_config(options)
+            kv_key(str(extra.get("pool", "default")), "0", b"\0")
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        layout: KVLayout,
+        store: BlockStore | None = None,
+    ):
+        super().__init__(role)
+        self.config, self.layout = config, layout
+        self.store = store or create_store(config.storage_options())
+        meta = KVBlockMeta(layout.fingerprint, layout.block_size, layout.hash_algo)
+        self.kv_io = KVBlockIO(self.store, config.pool, meta)
+        self._warned_seed = False
+        # scheduler side
+        self._known_prefix: dict[str, int] = {}  # req -> leading blocks the store holds
+        self._saved_upto: dict[str, int] = {}  # req -> blocks saved (or skipped) so far
+        self._has_saves: set[str] = set()
+        self._queued_loads: list[BlockTransfer] = []
+        # worker side
+        self._kv_cache = None
+        self._meta = KVConnectorMetadata()
+        self._loader = self._writer = None
+        if role == KVConnectorRole.WORKER:
+            self._loader = AsyncBlockStore(self.store, name="epd-kv-load")
+            self._writer = AsyncBlockStore(self.store, name="epd-kv-save")
+        self._loads: dict[str, tuple[Future, list[int]]] = {}
+        self._saves: dict[str, list[Future]] = {}
+        self._finishing: set[str] = set()
+        self._invalid: set[int] = set()
+
+    # --- scheduler side -------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: KVRequest, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        bs = self.layout.block_size
+        rid = request.request_id
+        if rid not in self._known_prefix:
+            self._known_prefix[rid] = self._lookup(request)
+        if not self.config.is_consumer:
+            return 0, False
+        n = max(0, self._known_prefix[rid] * bs - num_computed_tokens)
+        return n, n > 0
+
+    def _lookup(self, request: KVRequest) -> int:
+        """Leading blocks in the store, prompt's last token excluded (it must be computed)."""
+        max_blocks = min(
+            len(request.block_hashes), (request.num_tokens - 1) // self.layout.block_size
+        )
+        hashes = request.block_hashes[:max_blocks]
+        trusted = self._handed_over(request, hashes)
+        if trusted is not None:
+            return trusted
+        return self.kv_io.count_cached_prefix(hashes) if hashes else 0
+
+    def _handed_over(self, request: KVRequest, hashes: list[bytes]) -> int | None:
+        """Blocks a prefill pod says it saved for this prompt (when its hashes agree with
+        ours); a load that then misses falls back to recomputing."""
+        params = request.kv_transfer_params or {}
+        remote = params.get("block_hashes")
+        if not params.get("do_remote_prefill") or not remote or not hashes:
+            return None
+        agree = 0
+        for mine, theirs in zip(hashes, remote, strict=False):
+            if mine.hex() != theirs:
+                break
+            agree += 1
+        if agree == 0 and not self._warned_seed:
+            self._warned_seed = True
+            logger.warning(
+                "kv_transfer_params.block_hashes disagree with this pod's: do all pods of the "
+                "pool share --hash-seed and --prefix-caching-hash-algo? Looking up instead"
+            )
+        return agree or None
+
+    def update_state_after_alloc(
+        self, request: KVRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0:
+            return
+        bs = self.layout.block_size
+        first = request.num_computed_tokens // bs
+        last = first + num_external_tokens // bs
+        self._queued_loads.append(
+            BlockTransfer(
+                request.request_id, block_ids[first:last], request.block_hashes[first:last]
+            )
+        )
+
+    def build_connector_meta(self, scheduled: list[ScheduledRequest]) -> KVConnectorMetadata:
+        saves = []
+        if self.config.is_producer:
+            saves = [t for t in map(self._plan_save, scheduled) if t is not None]
+        meta = KVConnectorMetadata(self._queued_loads, saves)
+        self._queued_loads = []
+        return meta
+
+    def _plan_save(self, item: ScheduledRequest) -> BlockTransfer | None:
+        """The prompt blocks that become full in this step and were never saved."""
+        request, block_ids, computed = item
+        rid = request.request_id
+        num_full = min(computed, request.num_prompt_tokens) // self.layout.block_size
+        num_full = min(num_full, len(request.block_hashes), len(block_ids))
+        start = self._saved_upto.get(rid, self._known_prefix.get(rid, 0))
+        if num_full <= start:
+            return None
+        self._saved_upto[rid] = num_full
+        self._has_saves.add(rid)
+        return BlockTransfer(rid, block_ids[start:num_full], request.block_hashes[start:num_full])
+
+    def request_finished(
+        self, request: KVRequest, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        delay_free = rid in self._has_saves
+        self._has_saves.discard(rid)
+        self._saved_upto.pop(rid, None)
+        self._known_prefix.pop(rid, None)
+        wants = (request.kv_transfer_params or {}).get("do_remote_decode")
+        if not (self.config.is_producer and wants):
+            return delay_free, None
+        n = min(request.num_prompt_tokens // self.layout.block_size, len(request.block_hashes))
+        return delay_free, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "block_hashes": [h.hex() for h in request.block_hashes[:n]],
+            "num_tokens": n * self.layout.block_size,
+            "pool": self.config.pool,
+            "fingerprint": self.layout.fingerprint,
+            "kv_connector": self.config.kv_connector,
+        }
+
+    # --- worker side ----------------------------------------------------------------
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        self._kv_cache = kv_cache
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:
+        self._meta = metadata or KVConnectorMetadata()
+
+    def start_load_kv(self) -> None:
+        for t in self._meta.loads:
+            self._loads[t.req_id] = (self._loader.submit(self._load, t), t.block_ids)
+
+    def _load(self, t: BlockTransfer) -> list[bool]:
+        loaded = self.kv_io.load(self._kv_cache, t.block_ids, t.block_hashes)
+        bad = [self.kv_io.key(h) for h, ok in zip(t.block_hashes, loaded, strict=True) if not ok]
+        if bad:  # drop unusable values so the next producer's save replaces them
+            self.store.delete_many(bad)
+        return loaded
+
+    def wait_for_save(self) -> None:
+        for t in self._meta.saves:
+            job = self._writer.submit(self.kv_io.save, self._kv_cache, t.block_ids, t.block_hashes)
+            self._saves.setdefault(t.req_id, []).append(job)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        self._finishing |= {r for r in finished_req_ids if r in self._saves}
+        sending = {r for r in self._finishing if all(f.done() for f in self._saves[r])}
+        for rid in sending:
+            self._finishing.discard(rid)
+            for job in self._saves.pop(rid):
+                _result(job, "save")
+        recving = {r for r, (job, _) in self._loads.items() if job.done()}
+        for rid in recving:
+            job, block_ids = self._loads.pop(rid)
+            loaded = _result(job, "load") or [False] * len(block_ids)
+            first_bad = next((i for i, ok in enumerate(loaded) if not ok), len(block_ids))
+            self._invalid.update(block_ids[first_bad:])
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def close(self) -> None:
+        for worker in (self._loader, self._writer):
+            if worker is not None:
+                worker.close(close_store=False)
+        self.store.close()
+
+
+def _result(job: Future, what: str):
+    try:
+        return job.result()
+    except Exception:  # a bug, not a backend fault (stores never raise on those)
+        logger.exception("KV block %s failed", what)
+        return None
+
+
+class RedisConnector(StorageConnector):
+    """Blocks in Redis: ``kv_connector_extra_config = {"url": "redis://host:6379/0", ...}``."""
+
+    backend_key = "url"
+
+
+class SharedStorageConnector(StorageConnector):
+    """Blocks as files on a shared volume: ``kv_connector_extra_config = {"path": "/cache/kv"}``."""
+
+    backend_key = "path"

@@ -1,0 +1,129 @@
+"""Scheduler-side glue between the scheduler, the KV cache manager and a KV connector.
+
+State machine of a request whose prefix a connector loads (vLLM v1's async-load path):
+``WAITING`` → lookup finds ``n`` external tokens → blocks allocated (not yet named in the
+prefix cache) → ``WAITING_FOR_REMOTE_KVS`` while the worker loads → the load reports done →
+only the blocks before the first one that failed are credited (``num_computed_tokens``) and
+cached → ``WAITING`` at the head of the queue → scheduled to compute the rest. A failed
+block is thus recomputed before any forward reads it, and outputs stay token-exact.
+
+Saves are asked for right after the forward that fills a prompt block; a request that
+finishes (or is preempted) while its saves run keeps its blocks until the worker reports
+them done, and a P/D prefill request's last output is held until then too, so the next pod
+finds every block the response names.
+"""
+
+from __future__ import annotations
+
+from epdserve.connectors.kv_connector import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    ScheduledRequest,
+)
+from epdserve.engine.core.block_pool import KVCacheBlock
+from epdserve.engine.core.interfaces import EngineCoreOutput
+from epdserve.engine.core.kv_cache_manager import KVCacheManager
+from epdserve.engine.core.request import Request, RequestStatus
+
+
+class KVTransferCoordinator:
+    def __init__(self, connector: KVConnectorBase, kv: KVCacheManager, can_load: bool):
+        self.connector = connector
+        self.kv = kv
+        self.can_load = can_load
+        self.loading: dict[str, tuple[Request, int]] = {}  # req -> (request, external tokens)
+        self.saving: set[str] = set()  # requests with saves not yet reported done
+        self.held_blocks: dict[str, list[list[KVCacheBlock]]] = {}
+        self.held_outputs: dict[str, EngineCoreOutput] = {}
+        self.queries = 0  # tokens looked up
+        self.hits = 0  # tokens loaded
+        self.load_failures = 0  # blocks that failed to load
+
+    def has_pending(self) -> bool:
+        return bool(self.loading or self.held_blocks or self.held_outputs)
+
+    # --- admission ----------------------------------------------------------------------
+    def start_load(self, request: Request, hits: list[KVCacheBlock], num_local: int) -> bool | None:
+        """Start loading the request's external prefix: True (it now waits for the load),
+        False (nothing to load: schedule it as usual), None (no room for its blocks)."""
+        if request.skip_prefix_cache:
+            return False
+        n_ext, _ = self.connector.get_num_new_matched_tokens(request, num_local)
+        if n_ext <= 0:
+            self.queries += request.num_tokens if self.can_load else 0
+            return False
+        if self.kv.allocate_slots(request, 0, num_local + n_ext, hits, delay_cache=True) is None:
+            return None
+        self.queries += request.num_tokens
+        request.num_computed_tokens = num_local
+        self.connector.update_state_after_alloc(
+            request, self.kv.get_block_ids(request.request_id), n_ext
+        )
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.request_id] = (request, n_ext)
+        return True
+
+    def build_meta(self, scheduled: list[ScheduledRequest]) -> KVConnectorMetadata:
+        meta = self.connector.build_connector_meta(scheduled)
+        self.saving.update(t.req_id for t in meta.saves)
+        return meta
+
+    # --- after the step -------------------------------------------------------------------
+    def update(self, out: KVConnectorOutput | None) -> tuple[list[Request], list]:
+        """Apply the worker's report: (loaded requests to queue again, released outputs)."""
+        if out is None:
+            return [], []
+        invalid = set(out.invalid_block_ids)
+        ready = [self._finish_load(r, invalid) for r in out.finished_recving]
+        ready = [r for r in ready if r is not None]
+        released = []
+        for req_id in out.finished_sending:
+            self.saving.discard(req_id)
+            self._release(req_id)
+            if req_id in self.held_outputs:
+                released.append(self.held_outputs.pop(req_id))
+        return ready, released
+
+    def _finish_load(self, req_id: str, invalid: set[int]) -> Request | None:
+        entry = self.loading.pop(req_id, None)
+        if entry is None:  # aborted while loading: its blocks were kept for the load
+            self._release(req_id)
+            return None
+        request, n_ext = entry
+        bs = self.kv.block_size
+        first = request.num_computed_tokens // bs
+        block_ids = self.kv.get_block_ids(req_id)[first : first + n_ext // bs]
+        valid = next((i for i, b in enumerate(block_ids) if b in invalid), len(block_ids))
+        request.num_computed_tokens += valid * bs
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        self.hits += valid * bs
+        self.load_failures += len(block_ids) - valid
+        request.status = RequestStatus.WAITING
+        return request
+
+    # --- leaving ----------------------------------------------------------------------------
+    def finish(self, request: Request) -> tuple[dict | None, bool]:
+        """Tell the connector; free the blocks or keep them while it still uses them.
+        Returns ``(kv_transfer_params, held)``."""
+        req_id = request.request_id
+        delay_free, params = self.connector.request_finished(request, self.kv.get_block_ids(req_id))
+        held = self.loading.pop(req_id, None) is not None or (delay_free and req_id in self.saving)
+        self._free_or_hold(request, held)
+        return params, held
+
+    def preempt(self, request: Request) -> None:
+        self._free_or_hold(request, request.request_id in self.saving)
+
+    def hold_output(self, output: EngineCoreOutput) -> None:
+        self.held_outputs[output.request_id] = output
+
+    def _free_or_hold(self, request: Request, hold: bool) -> None:
+        if hold:
+            self.held_blocks.setdefault(request.request_id, []).append(self.kv.detach(request))
+        else:
+            self.kv.free(request)
+
+    def _release(self, req_id: str) -> None:
+        for blocks in self.held_blocks.pop(req_id, []):
+            self.kv.release(blocks)
