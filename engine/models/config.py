@@ -11,6 +11,8 @@ TEXT_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
 
 
@@ -34,6 +36,13 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Gemma3: per-layer attention kinds, their rope settings, and its numerics
+    layer_types: tuple[str, ...] = ()
+    rope_by_layer_type: dict = field(default_factory=dict)
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    multimodal: dict = field(default_factory=dict)  # raw top-level config of an image+text model
 
     @property
     def q_size(self) -> int:
@@ -49,8 +58,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"model: no config.json in {model_dir}")
-    raw = json.loads(path.read_text())
-    archs = raw.get("architectures") or []
+    top = json.loads(path.read_text())
+    archs = top.get("architectures") or []
+    raw = top.get("text_config") or top
     arch = next((a for a in archs if a in TEXT_ARCHITECTURES), None)
     if arch is None:
         supported = ", ".join(sorted(TEXT_ARCHITECTURES))
@@ -58,6 +68,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"model: unsupported architecture {archs or '(none)'}; supported: {supported}"
         )
     family = TEXT_ARCHITECTURES[arch]
+    if family == "gemma3":
+        return _gemma3(arch, raw, top)
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     rope = dict(raw.get("rope_parameters") or {})
@@ -89,4 +101,54 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         sliding_window=sliding,
         eos_token_ids=eos_ids,
         bos_token_id=raw.get("bos_token_id"),
+    )
+
+
+def _gemma3(arch: str, raw: dict, top: dict) -> ModelConfig:
+    heads = raw["num_attention_heads"]
+    layer_types = tuple(raw.get("layer_types") or ())
+    if not layer_types:
+        pattern = raw.get("sliding_window_pattern", 6)
+        layer_types = tuple(
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(raw["num_hidden_layers"])
+        )
+    rope = raw.get("rope_parameters") or {}
+    if "full_attention" not in rope:  # older layout: rope_theta + rope_local_base_freq
+        rope = {
+            "full_attention": {
+                "rope_type": "default",
+                "rope_theta": raw.get("rope_theta", 1e6),
+                **(raw.get("rope_scaling") or {}),
+            },
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": raw.get("rope_local_base_freq", 1e4),
+            },
+        }
+    eos = raw.get("eos_token_id", top.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        architecture=arch,
+        family="gemma3",
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        tie_word_embeddings=True,
+        qk_norm=True,
+        sliding_window=raw.get("sliding_window"),
+        eos_token_ids=eos_ids,
+        bos_token_id=raw.get("bos_token_id"),
+        layer_types=layer_types,
+        rope_by_layer_type=rope,
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+        attn_logit_softcap=raw.get("attn_logit_softcapping"),
+        final_logit_softcap=raw.get("final_logit_softcapping"),
+        multimodal=top if "vision_config" in top else {},
     )

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from epdserve.engine.models.config import ModelConfig, load_model_config
 from epdserve.engine.models.decoder import DecoderLM
+from epdserve.engine.models.gemma3 import Gemma3LM, load_gemma3_weights
 
 
 class CheckpointReader:
@@ -37,16 +38,23 @@ class CheckpointReader:
         return self.where[name].get_tensor(name)
 
 
-def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
-) -> DecoderLM:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int):
     config = load_model_config(model_dir)
-    model = DecoderLM(config, dtype, device, max_positions)
     reader = CheckpointReader(model_dir)
     prefix = _prefix(reader)
 
     def get(name: str) -> torch.Tensor:
         return reader.get(prefix + name).to(device=device, dtype=dtype).contiguous()
+
+    if config.family == "gemma3":
+        model = Gemma3LM(config, dtype, device, max_positions)
+
+        def get_norm(name: str) -> torch.Tensor:  # Gemma scales by (1 + w), kept in fp32
+            return (1.0 + reader.get(prefix + name).float()).to(device).contiguous()
+
+        load_gemma3_weights(model, get, get_norm)
+        return model
+    model = DecoderLM(config, dtype, device, max_positions)
 
     model.embed = get("embed_tokens.weight")
     model.final_norm = get("norm.weight")
@@ -62,7 +70,7 @@ def load_model(
 
 
 def _prefix(reader: CheckpointReader) -> str:
-    for candidate in ("model.", "model.language_model.", ""):
+    for candidate in ("model.", "model.language_model.", "language_model.model.", ""):
         if reader.has(candidate + "embed_tokens.weight"):
             return candidate
     raise ValueError("model: checkpoint is missing tensor 'model.embed_tokens.weight'")

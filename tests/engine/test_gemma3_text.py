@@ -1,0 +1,42 @@
+"""Gemma3 (text path): greedy outputs equal transformers', sliding windows shorter than prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest_helpers import MAX_NEW, assert_no_leak, make_prompts
+
+from epdserve.engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma3_reference(models):
+    from transformers import AutoModelForImageTextToText
+
+    path = models.get("gemma3")
+    prompts = make_prompts(8, seed=2)
+    hf = AutoModelForImageTextToText.from_pretrained(path)
+    hf.generation_config.eos_token_id = None
+    ref = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False
+            )
+            ref.append(out[0, len(p) :].tolist())
+    return path, prompts, ref
+
+
+@pytest.mark.parametrize(
+    "regime", [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 16}]
+)
+def test_gemma3_text_greedy_matches_transformers(gemma3_reference, regime):
+    path, prompts, ref = gemma3_reference
+    assert max(len(p) for p in prompts) > 32  # longer than the sliding window
+    llm = LLM(model=str(path), max_model_len=512, **regime)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert_no_leak(llm)
