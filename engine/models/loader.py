@@ -32,6 +32,9 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.where
 
+    def names(self, prefix: str) -> list[str]:
+        return sorted(n for n in self.where if n.startswith(prefix))
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
             raise ValueError(f"model: checkpoint is missing tensor {name!r}")
@@ -89,3 +92,19 @@ def _load_layer(layer, p: str, get, config: ModelConfig) -> None:
     layer.down_w = get(p + "mlp.down_proj.weight")
     layer.in_norm = get(p + "input_layernorm.weight")
     layer.post_norm = get(p + "post_attention_layernorm.weight")
+
+
+def load_vision_encoder(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
+    """The image encoder of an image+text checkpoint, or None for a text-only model."""
+    from epdserve.engine.models.siglip import VisionConfig, VisionEncoder
+
+    config = load_model_config(model_dir)
+    if not config.multimodal:
+        return None
+    reader = CheckpointReader(model_dir)
+
+    def get(name: str) -> torch.Tensor:
+        return reader.get(name).to(device=device, dtype=dtype).contiguous()
+
+    get.has, get.names = reader.has, reader.names
+    return VisionEncoder(VisionConfig.from_hf(config.multimodal), get, dtype)

@@ -40,3 +40,26 @@ def test_gemma3_text_greedy_matches_transformers(gemma3_reference, regime):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert_no_leak(llm)
+
+
+def test_vision_encoder_matches_transformers_image_features(models):
+    from transformers import AutoModelForImageTextToText
+
+    from epdserve.engine.models.loader import load_vision_encoder
+
+    path = models.get("gemma3")
+    hf = AutoModelForImageTextToText.from_pretrained(path)
+    encoder = load_vision_encoder(path, torch.float32, torch.device("cpu"))
+    pixels = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = hf.model.get_image_features(pixel_values=pixels)
+    ref = getattr(ref, "pooler_output", ref)
+    ours = encoder.encode(pixels)
+    assert ours.shape == (2, hf.config.mm_tokens_per_image, hf.config.text_config.hidden_size)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_text_model_has_no_vision_encoder(models):
+    from epdserve.engine.models.loader import load_vision_encoder
+
+    assert load_vision_encoder(models.get("llama"), torch.float32, torch.device("cpu")) is None
