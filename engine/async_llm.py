@@ -131,7 +131,11 @@ class AsyncLLM:
 
     # --- requests ----------------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[StreamOutput]:
         """Stream a request's outputs; cancelling the iteration aborts the request."""
         if self.dead:
@@ -143,7 +147,9 @@ class AsyncLLM:
         for i, child_id in enumerate(children):
             self.child_to_state[child_id] = state
             child = params.for_child(i) if params.n > 1 else params
-            req = EngineCoreRequest(child_id, prompt_token_ids, child, None, time.monotonic())
+            req = EngineCoreRequest(
+                child_id, prompt_token_ids, child, None, time.monotonic(), kv_transfer_params
+            )
             await self.input.send_multipart([self.core_identity, ADD, self._encode.encode(req)])
         if self.metrics:
             self.metrics.on_request_added(len(prompt_token_ids), params)

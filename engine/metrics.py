@@ -146,6 +146,9 @@ class EngineMetrics:
         self.prefix_hits.inc(max(0, stats.prefix_hits - last.prefix_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
         self.engine_steps.inc(max(0, stats.num_steps - last.num_steps))
+        self.ext_queries.inc(max(0, stats.external_queries - last.external_queries))
+        self.ext_hits.inc(max(0, stats.external_hits - last.external_hits))
+        self.kv_load_failures.inc(max(0, stats.kv_load_failures - last.kv_load_failures))
         self._last = stats
 
     def on_request_added(self, num_prompt_tokens: int, params) -> None:

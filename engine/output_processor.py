@@ -34,6 +34,7 @@ class StreamOutput:
     finished: bool
     prompt_logprobs: list | None = None
     error: str | None = None
+    kv_transfer_params: dict | None = None  # for the next pod (P/D), once finished
 
 
 class _Seq:
@@ -79,6 +80,7 @@ class RequestState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_generated = 0
+        self.kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,6 +90,8 @@ class RequestState:
         """Apply one core output; returns True if a stop string finished the sequence."""
         seq = self.seqs[out.request_id]
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None and seq.index == 0:
+            self.kv_transfer_params = out.kv_transfer_params
         if (
             out.new_prompt_logprobs is not None
             and self.prompt_logprobs is not None
@@ -142,6 +146,7 @@ class RequestState:
             self.finished,
             self.prompt_logprobs,
             self.error,
+            self.kv_transfer_params if self.finished else None,
         )
 
     def record_tokens(self, n: int, now: float) -> tuple[float | None, float | None]:

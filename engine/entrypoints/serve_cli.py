@@ -90,6 +90,8 @@ def engine_config(args: argparse.Namespace):
         hash_seed=args.hash_seed,
         seed=args.seed,
         kv_events_config=args.kv_events_config or None,
+        kv_transfer_config=args.kv_transfer_config or None,
+        role=args.role,
     )
 
 
@@ -103,10 +105,14 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.model:
         raise SystemExit("epdserve serve: a MODEL directory is required (or EPDSERVE_MODEL)")
-    if args.role != "both" or args.kv_transfer_config or args.ec_transfer_config:
+    if args.role == "encoder":
         raise SystemExit(
-            f"epdserve serve: --role {args.role} and connector configs are not "
-            "available in this build yet"
+            "epdserve serve: --role encoder is not available in this build yet "
+            "(encoder disaggregation); use --role both, prefill or decode"
+        )
+    if args.ec_transfer_config:
+        logging.getLogger("epdserve.serve").warning(
+            "--ec-transfer-config ignored: encoder-output transfer is not available yet"
         )
     try:
         config = engine_config(args)

@@ -38,7 +38,7 @@ def from_value_error(exc: ValueError) -> APIError:
     """``SamplingParams``/engine messages start with the field name: ``"top_p: must be ..."``."""
     message = str(exc)
     field, sep, _ = message.partition(":")
-    param = field if sep and field.isidentifier() else None
+    param = field if sep and all(p.isidentifier() for p in field.split(".")) else None
     return APIError(400, message, param)
 
 

@@ -12,6 +12,7 @@ import msgspec
 from epdserve.engine.async_llm import AsyncLLM
 from epdserve.engine.entrypoints.openai.errors import APIError, from_value_error
 from epdserve.engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from epdserve.engine.kv_transfer.params import validate_kv_transfer_params
 
 _json = msgspec.json.Encoder()
 
@@ -25,6 +26,7 @@ class Prepared:
 
     def __init__(self, prompts: list[list[int]], texts: list[str | None], params, kind: str):
         self.prompts, self.texts, self.params, self.kind = prompts, texts, params, kind
+        self.kv_transfer_params: dict | None = None
         self.request_id = (
             f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}"
         )
@@ -120,22 +122,29 @@ class OpenAIServing:
             )
         try:
             params = req.sampling_params(max_tokens, logprobs)
+            transfer = validate_kv_transfer_params(req.kv_transfer_params)
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        return Prepared(prompts, texts, params, kind)
+        prep = Prepared(prompts, texts, params, kind)
+        prep.kv_transfer_params = transfer
+        return prep
 
     # --- execution ---------------------------------------------------------------------
     async def events(self, prep: Prepared) -> AsyncIterator[tuple[int, object]]:
         """Merge the per-prompt output streams: yields ``(prompt_index, StreamOutput)``."""
         if len(prep.prompts) == 1:
-            async for out in self.engine.generate(prep.prompts[0], prep.params, prep.request_id):
+            async for out in self.engine.generate(
+                prep.prompts[0], prep.params, prep.request_id, prep.kv_transfer_params
+            ):
                 yield 0, out
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, ids: list[int]):
             try:
-                async for out in self.engine.generate(ids, prep.params, f"{prep.request_id}-p{i}"):
+                async for out in self.engine.generate(
+                    ids, prep.params, f"{prep.request_id}-p{i}", prep.kv_transfer_params
+                ):
                     await queue.put((i, out))
             except Exception as exc:  # surfaced to the consumer below
                 await queue.put((i, exc))

@@ -1,0 +1,114 @@
+"""A prefill pod + a decode pod over one KV store, driven like vLLM's P/D proxy does."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+
+import httpx
+import pytest
+from serving_support import ServerProcess
+
+BLOCK = 16
+SEED = "7"  # the pool's shared --hash-seed
+
+
+def transfer_config(connector: str, role: str, extra: dict) -> str:
+    return json.dumps(
+        {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
+    )
+
+
+class PDPods:
+    """``prefill`` (kv_producer) and ``decode`` (kv_consumer) pods sharing one store."""
+
+    def __init__(self, model: str, connector: str, extra: dict):
+        self.prefill = self.decode = None
+        try:
+            self.prefill = _pod(model, "prefill", transfer_config(connector, "kv_producer", extra))
+            self.decode = _pod(model, "decode", transfer_config(connector, "kv_consumer", extra))
+        except Exception:
+            self.stop()
+            raise
+
+    def run(self, body: dict) -> tuple[dict, dict]:
+        """Prefill with ``max_tokens: 1``, then decode with the handed-over params."""
+        first = post(
+            self.prefill,
+            {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        )
+        params = first["kv_transfer_params"]
+        assert params is not None and params["do_remote_prefill"] is True
+        return first, post(self.decode, {**body, "kv_transfer_params": params})
+
+    def stop(self) -> None:
+        for pod in (self.prefill, self.decode):
+            if pod is not None:
+                pod.stop()
+
+
+def _pod(model: str, role: str, config: str) -> ServerProcess:
+    return ServerProcess(
+        model, "--role", role, "--kv-transfer-config", config, "--hash-seed", SEED, api_key=None
+    )
+
+
+def post(server: ServerProcess, body: dict) -> dict:
+    resp = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def prompts(seed: int, lengths=(40, 77, 100, 130)) -> list[list[int]]:
+    """Token-id prompts no other test shares (so no pod has them in its local cache)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 4000) for _ in range(n)] for n in lengths]
+
+
+def greedy(prompt: list[int], max_tokens: int = 12) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
+
+
+def answer(response: dict) -> tuple[str, list[str]]:
+    """The generated text and its tokens, one by one (token-exact comparison)."""
+    choice = response["choices"][0]
+    return choice["text"], choice["logprobs"]["tokens"]
+
+
+def loadable_tokens(prompt: list[int]) -> int:
+    """Tokens of whole blocks a decode pod may load: never the prompt's last token."""
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def read_only(path: str):
+    """Make ``path`` read-only even for root; returns an undo function, or skips."""
+    if os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        for d in os.listdir(path):
+            os.chmod(os.path.join(path, d), 0o555)
+        return lambda: (
+            [os.chmod(os.path.join(r, d), 0o755) for r, ds, _ in os.walk(path) for d in ds]
+            + [os.chmod(path, 0o755)]
+        )
+    if shutil.which("mount"):
+        bind = subprocess.run(["mount", "--bind", path, path], capture_output=True)
+        if bind.returncode == 0:
+            ro = subprocess.run(["mount", "-o", "remount,bind,ro", path], capture_output=True)
+            if ro.returncode == 0:
+                return lambda: subprocess.run(["umount", path], check=True)
+            subprocess.run(["umount", path], check=True)
+    if shutil.which("chattr"):
+        dirs = [path] + [os.path.join(path, d) for d in os.listdir(path)]
+        if subprocess.run(["chattr", "+i", *dirs], capture_output=True).returncode == 0:
+            return lambda: subprocess.run(["chattr", "-i", *dirs], check=True)
+    pytest.skip("running as root without a working read-only bind mount or chattr +i")
