@@ -1,0 +1,1 @@
+"""Multimodal inputs: image loading, hashing, processing, and the engine's encoder cache."""
