@@ -20,8 +20,9 @@ import torch
 from epdserve.kernels import paged_attention
 from epdserve.kernels.gather import block_ids, gather_blocks
 
-CONFIGS = [  # (name, heads, kv_heads, head_dim)
-    ("tiny", 4, 2, 64),
+CONFIGS = [  # (name, heads, kv_heads, head_dim): make-model's presets, then a real-size one
+    ("tiny", 4, 2, 32),
+    ("small", 12, 4, 64),
     ("llama-8b-like", 32, 8, 128),
 ]
 

@@ -5,11 +5,13 @@ query heads of a kv head become ``G`` query rows of that head, so there is no GQ
 and the gathered K/V are read once. Two ways to finish, chosen by measurement
 (``bench/kernels.py``, 1-2 threads):
 
-- bf16/fp16, or any ``soft_cap`` (SDPA cannot cap): K/V are gathered head-major
-  (``gather_head_major``) and attention is two ``bmm`` calls over ``S * KVH`` matrices with
-  an explicit fp32 softmax. Logits leave ``bmm`` in the input dtype, so bf16 rounds them
-  as HF eager attention does. 10-25% faster than SDPA, whose bf16 CPU kernel repacks K/V.
-- fp32: SDPA straight on the strided gathered blocks (fp32 sgemm reads them in place).
+- fp32 without soft cap: SDPA straight on the strided gathered blocks (fp32 sgemm reads
+  them in place).
+- otherwise (bf16/fp16, or any ``soft_cap``, which SDPA cannot apply) two ``bmm`` calls and
+  an explicit fp32 softmax, 10-50% faster than SDPA, whose bf16 CPU kernel repacks K/V:
+  with 2-4 kv heads on a block-diagonal query (no transpose of K/V), otherwise on K/V
+  gathered head-major. Logits leave ``bmm`` in the input dtype, so bf16 rounds them as HF
+  eager attention does.
 """
 
 from __future__ import annotations
@@ -20,26 +22,61 @@ import torch.nn.functional as F
 from epdserve.kernels.gather import block_ids, gather_blocks, gather_head_major
 from epdserve.kernels.workspace import scratch
 
+# beyond this many kv heads the block-diagonal trick's extra flops cost more than a transpose
+MAX_BLOCK_DIAGONAL_KV_HEADS = 4
+
 
 def decode_attention(query, lens, key_cache, value_cache, block_table, scale, window, soft_cap,
                      seqs=None):  # fmt: skip
     """``query [S, H, D]``; sequence ``i`` (row ``seqs[i]`` of the table) has ``lens[i]`` keys."""
-    num_seqs, num_heads, head_dim = query.shape
-    bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // kv_heads
-    nblk = -(-max(lens) // bs)
-    padded = nblk * bs
+    kv_heads = key_cache.shape[2]
+    nblk = -(-max(lens) // key_cache.shape[1])
     rows = None if seqs is None else torch.tensor(seqs, device=query.device)
     ids = block_ids(block_table, rows, nblk)
+    caches = (key_cache, value_cache)
     if soft_cap is None and query.dtype == torch.float32:
-        return _decode_sdpa(query, lens, key_cache, value_cache, ids, scale, window)
+        return _decode_sdpa(query, lens, *caches, ids, scale, window)
+    if 2 <= kv_heads <= MAX_BLOCK_DIAGONAL_KV_HEADS:
+        return _decode_block_diagonal(query, lens, *caches, ids, scale, window, soft_cap)
+    return _decode_head_major(query, lens, *caches, ids, scale, window, soft_cap)
+
+
+def _decode_head_major(query, lens, key_cache, value_cache, ids, scale, window, soft_cap):
+    """K/V gathered as ``[S * KVH, L, D]``; the G heads of a kv head are the bmm rows."""
+    num_seqs, num_heads, head_dim = query.shape
+    kv_heads = key_cache.shape[2]
+    group = num_heads // kv_heads
     k = gather_head_major(key_cache, ids, num_seqs, "k")
     q = query.reshape(num_seqs * kv_heads, group, head_dim)
-    logits = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, num_heads, padded)
+    logits = torch.bmm(q, k.transpose(1, 2)).view(num_seqs, num_heads, -1)
     probs = _softmax(logits, lens, scale, window, soft_cap)
     v = gather_head_major(value_cache, ids, num_seqs, "v")
-    out = torch.bmm(probs.view(num_seqs * kv_heads, group, padded), v)
+    out = torch.bmm(probs.view(num_seqs * kv_heads, group, -1), v)
     return out.view(num_seqs, num_heads, head_dim)
+
+
+def _decode_block_diagonal(query, lens, key_cache, value_cache, ids, scale, window, soft_cap):
+    """K/V stay in gathered order ``[S, L, KVH * D]``; q becomes block-diagonal instead.
+
+    ``q_bd[s, h*G + g, h'*D + d] = q[s, h*G + g, d]`` if ``h == h'`` else 0, so one bmm gives
+    every head's logits and reads K once without a transpose; ``P @ V`` yields all
+    ``KVH x KVH`` head pairs and its diagonal is kept. Costs ``KVH``x the (tiny) flops.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    kv_heads = key_cache.shape[2]
+    group = num_heads // kv_heads
+    shape = (num_seqs, -1, kv_heads * head_dim)
+    q_bd = scratch("q_bd", (num_seqs, kv_heads, group, kv_heads, head_dim), query.dtype,
+                   query.device).zero_()  # fmt: skip
+    q = query.view(num_seqs, kv_heads, group, head_dim).permute(0, 2, 3, 1)
+    torch.diagonal(q_bd, dim1=1, dim2=3).copy_(q)
+    k = gather_blocks(key_cache, ids, "k").view(shape)
+    logits = torch.bmm(q_bd.view(num_seqs, num_heads, -1), k.transpose(1, 2))
+    probs = _softmax(logits, lens, scale, window, soft_cap)
+    v = gather_blocks(value_cache, ids, "v").view(shape)
+    pairs = torch.bmm(probs, v).view(num_seqs, kv_heads, group, kv_heads, head_dim)
+    out = torch.diagonal(pairs, dim1=1, dim2=3).permute(0, 3, 1, 2)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _decode_sdpa(query, lens, key_cache, value_cache, ids, scale, window):

@@ -86,16 +86,18 @@ def test_twin_does_not_modify_its_inputs():
     assert all(torch.equal(a, b) for a, b in zip(before, batch.args(), strict=True))
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
 @pytest.mark.parametrize(("window", "cap"), [(None, None), (8, None), (None, 3.0), (8, 3.0)])
 def test_each_decode_path_matches_naive(kv_heads, window, cap):
     batch = make_batch(DECODE, 4 * kv_heads, kv_heads, 64, 16)
     assert_matches_naive(batch, window=window, cap=cap)
 
 
-@pytest.mark.parametrize(("kv_heads", "head_dim"), [(1, 64), (2, 64), (2, 128)])
+@pytest.mark.parametrize(
+    ("kv_heads", "head_dim"), [(1, 64), (2, 32), (2, 64), (4, 128), (8, 64), (8, 128)]
+)
 def test_bf16_decode_paths_are_close_to_naive(kv_heads, head_dim):
-    batch = make_batch(DECODE, 4 * kv_heads, kv_heads, head_dim, 16, dtype=torch.bfloat16)
+    batch = make_batch(DECODE, 2 * kv_heads, kv_heads, head_dim, 16, dtype=torch.bfloat16)
     assert_matches_naive(batch, atol=3e-2)
 
 

@@ -30,6 +30,7 @@ CONFIGS = [  # (group, kv_heads, head_dim, block_size, dtype)
     (8, 1, 64, 16, torch.float16),
     (2, 2, 128, 16, torch.float32),
     (4, 1, 128, 16, torch.float16),
+    (2, 2, 32, 16, torch.float32),  # make-model's tiny preset
 ]
 
 
