@@ -47,7 +47,8 @@ def _paged_attention_kernel(
     d_ok = d < head_dim
     heads = kvh * group + g
     q_mask = (g < group)[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask,
+                other=0.0)  # fmt: skip
     if not NATIVE_DOT:
         q = q.to(tl.float32)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
