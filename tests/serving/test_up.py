@@ -1,0 +1,82 @@
+"""``epdserve up``: a local pool (engines + router) that answers and stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from serving_support import free_port
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (children start their own sessions, so walk ppids)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_up_serves_through_the_router_and_ctrl_c_stops_everything(models, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "epdserve.engine.cli",
+            "up",
+            "--model",
+            str(models.get("llama")),
+            "--port",
+            str(port),
+            "--replicas",
+            "2",
+            "--kv-cache-memory",
+            str(32 << 20),
+            "--workdir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "ready: OpenAI API" in line or proc.poll() is not None:
+                break
+        assert any("ready: OpenAI API" in x for x in lines), "".join(lines)
+        resp = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": "tiny", "prompt": "def main():", "max_tokens": 5, "temperature": 0},
+        )
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
+        pids = descendants(proc.pid)
+        assert len(pids) >= 5  # 2 servers + their 2 engine cores + the router
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert "stopped" in out and proc.returncode == 0
+        time.sleep(0.5)
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}")]
+        assert not alive, f"processes left behind: {alive}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
