@@ -11,8 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 run: $(STAMP)
 	@test -f $(MODEL)/config.json || $(BIN)/epdserve make-model --arch llama --out $(MODEL) --seed 0
-	$(BIN)/epdserve serve $(MODEL) --host 127.0.0.1 --port 8000 --served-model-name tiny \
-		--kv-cache-memory 268435456
+	$(BIN)/epdserve up --model $(MODEL) --host 127.0.0.1 --port 8000 $(UP_ARGS)
 
 test: $(STAMP) redis lint
 	$(BIN)/python -m pytest
