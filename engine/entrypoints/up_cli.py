@@ -151,8 +151,8 @@ def start_engine(pool: Pool, args, model: str, name: str, role: str, extra: list
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{ev}",
-        "replay_endpoint": f"tcp://127.0.0.1:{rp}",
+        "endpoint": f"tcp://*:{ev}",  # "*" binds (vLLM rule)
+        "replay_endpoint": f"tcp://*:{rp}",
         "topic": f"kv@127.0.0.1:{port}@{args.served_model_name}",
     }
     cmd = epdserve_cmd(

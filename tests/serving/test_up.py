@@ -29,6 +29,18 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def wait_for_index(port: int, timeout: float = 15.0) -> float:
+    deadline = time.monotonic() + timeout
+    blocks = 0.0
+    while time.monotonic() < deadline and blocks == 0:
+        body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        for line in body.splitlines():
+            if line.startswith("epdserve_router:index_blocks "):
+                blocks = float(line.split()[-1])
+        time.sleep(0.2)
+    return blocks
+
+
 def test_up_serves_through_the_router_and_ctrl_c_stops_everything(models, tmp_path):
     port = free_port()
     proc = subprocess.Popen(
@@ -68,6 +80,12 @@ def test_up_serves_through_the_router_and_ctrl_c_stops_everything(models, tmp_pa
             json={"model": "tiny", "prompt": "def main():", "max_tokens": 5, "temperature": 0},
         )
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
+        httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": "tiny", "prompt": "x = 1\n" * 40, "max_tokens": 2},
+        )
+        assert wait_for_index(port) > 0, "the router saw no KV events from the engines"
         pids = descendants(proc.pid)
         assert len(pids) >= 5  # 2 servers + their 2 engine cores + the router
         proc.send_signal(signal.SIGINT)
