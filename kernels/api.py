@@ -30,32 +30,58 @@ __all__ = [
 ]
 
 
-def paged_attention(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Causal paged attention (see ``epdserve.kernels.attention_ref`` for the semantics)."""
-    if query.is_cuda:
-        return paged_attention_triton(query, *args, **kwargs)
-    return paged_attention_ref(query, *args, **kwargs)
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal paged attention over a mixed batch; ``out[T, H, D]``.
+
+    Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i+1]``, the last
+    ``q_len`` positions of its ``seq_lens[i]``-token context; see ``attention_ref`` for the
+    cache layout, GQA, ``sliding_window`` and ``soft_cap`` semantics.
+    """
+    impl = paged_attention_triton if query.is_cuda else paged_attention_ref
+    return impl(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+                sliding_window, soft_cap)  # fmt: skip
 
 
-def reshape_and_cache(key: torch.Tensor, *args, **kwargs) -> None:
-    """Scatter ``key``/``value`` tokens into the paged cache by ``slot_mapping`` (-1 skipped)."""
-    if key.is_cuda:
-        return reshape_and_cache_triton(key, *args, **kwargs)
-    return reshape_and_cache_ref(key, *args, **kwargs)
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token ``t`` of ``key``/``value`` to slot ``slot_mapping[t]`` (-1 is skipped)."""
+    impl = reshape_and_cache_triton if key.is_cuda else reshape_and_cache_ref
+    impl(key, value, key_cache, value_cache, slot_mapping)
 
 
-def rms_norm(x: torch.Tensor, *args, **kwargs):
-    """RMSNorm in fp32; with ``residual`` returns ``(out, x + residual)``."""
-    if x.is_cuda:
-        return rms_norm_triton(x, *args, **kwargs)
-    return rms_norm_ref(x, *args, **kwargs)
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+):
+    """RMSNorm computed in fp32; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+    impl = rms_norm_triton if x.is_cuda else rms_norm_ref
+    return impl(x, weight, eps, residual)
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, *args, **kwargs):
-    """In-place rotary embedding of ``q`` and ``k``; returns ``(q, k)``."""
-    if q.is_cuda:
-        return rotary_embedding_triton(positions, q, *args, **kwargs)
-    return rotary_embedding_ref(positions, q, *args, **kwargs)
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+):
+    """Rotary embedding applied in place to ``q [T,H,D]`` and ``k [T,KVH,D]``; returns both."""
+    impl = rotary_embedding_triton if q.is_cuda else rotary_embedding_ref
+    return impl(positions, q, k, cos_sin_cache, is_neox)
 
 
 def paged_attention_triton(*args, **kwargs) -> torch.Tensor:

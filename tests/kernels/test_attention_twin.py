@@ -119,3 +119,13 @@ def test_query_may_be_a_strided_slice_of_a_fused_qkv_tensor(dtype):
     torch.testing.assert_close(
         paged_attention_ref(*args, 0.125), paged_attention_ref(*batch.args(), 0.125)
     )
+
+
+def test_public_function_accepts_keyword_arguments():
+    b = make_batch(MIXED, 4, 2, 64, 16)
+    out = paged_attention(
+        query=b.query, key_cache=b.key_cache, value_cache=b.value_cache,
+        block_table=b.block_table, seq_lens=b.seq_lens, query_start_loc=b.query_start_loc,
+        scale=0.125, sliding_window=4, soft_cap=None,
+    )  # fmt: skip
+    torch.testing.assert_close(out, paged_attention_ref(*b.args(), 0.125, sliding_window=4))
