@@ -235,11 +235,11 @@ class ApiEmulator(kmock.KubernetesEmulator):
         self.history.clear()
         self.cut_watches()
 
-    def fail(self, method: str, resource: str, status: int, times: int = 1, name=None):
+    def fail(self, method: str, resource: str, status: int, times: int = 1, subresource=None):
         """Answer the next `times` matching requests with an error, via kmock's DSL."""
         criteria = [kmock.method(method.upper()), kmock.resource(resource)]
-        if name:
-            criteria.append(kmock.name(name))
+        if subresource:
+            criteria.append(kmock.subresource(subresource))
         reason = {409: "Conflict", 429: "TooManyRequests"}.get(status, "InternalError")
         left = [times]
 
@@ -252,6 +252,15 @@ class ApiEmulator(kmock.KubernetesEmulator):
         return self[tuple(criteria)] << respond
 
     # -- HTTP handlers -------------------------------------------------------------------
+
+    async def _serve_version(self, request):
+        # kmock lists subresources with the parent's short names; kubectl then warns that
+        # `ipool` is ambiguous. A real server gives subresources no short names.
+        payload = await super()._serve_version(request)
+        for entry in payload.get("resources", []):
+            if "/" in entry["name"]:
+                entry.update(shortNames=[], categories=[])
+        return payload
 
     def _resolve(self, request) -> tuple[str, str | None]:
         res = _key(request.resource)

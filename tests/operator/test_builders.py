@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 
-from pools import example, pool_body
+from ipool_samples import example, pool_body
 
 from epdserve.operator import cache, engine, router
 from epdserve.operator.desired import desired_objects

@@ -9,7 +9,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from pools import EXAMPLES, ROOT, example, pool_body
+from ipool_samples import EXAMPLES, ROOT, example, pool_body
 
 from epdserve.operator.cache import build_redis_secret
 from epdserve.operator.desired import desired_objects

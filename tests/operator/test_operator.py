@@ -4,47 +4,8 @@ readiness and status, deletion."""
 
 from __future__ import annotations
 
-import copy
-
-import pytest
-from conftest import wait_for
-from pools import example, pool_body
-
-NS = "default"
-GVP = ("epdserve.io", "v1alpha1")
-
-
-@pytest.fixture
-def make_pool(cluster):
-    """Create pools through the API; delete them (and wait for their children) afterwards."""
-    created = []
-
-    def make(body: dict) -> dict:
-        body = copy.deepcopy(body)
-        for field in ("uid", "generation"):
-            body["metadata"].pop(field, None)
-        body["metadata"]["namespace"] = NS
-        created.append(body["metadata"]["name"])
-        return cluster.custom.create_namespaced_custom_object(*GVP, NS, "inferencepools", body)
-
-    yield make
-    for name in created:
-        if cluster.pool(NS, name) is not None:
-            cluster.custom.delete_namespaced_custom_object(*GVP, NS, "inferencepools", name)
-        wait_for(lambda n=name: not cluster.children(NS, n), what=f"{name} children gone")
-
-
-def patch_pool(cluster, name: str, patch: dict) -> None:
-    cluster.custom.patch_namespaced_custom_object(*GVP, NS, "inferencepools", name, patch)
-
-
-def deployment(cluster, name: str):
-    return cluster.apps.read_namespaced_deployment(name, NS)
-
-
-def condition(pool: dict | None, ctype: str) -> dict:
-    conditions = ((pool or {}).get("status") or {}).get("conditions") or []
-    return next((c for c in conditions if c["type"] == ctype), {})
+from ipool_samples import example, pool_body
+from k8s_cluster import GVP, NS, REDIS, condition, deployment, patch_pool, wait_for
 
 
 def test_create_makes_every_child_with_an_owner_reference(cluster, make_pool):
@@ -182,6 +143,3 @@ def test_deleting_the_pool_deletes_its_children(cluster, make_pool):
     cluster.custom.delete_namespaced_custom_object(*GVP, NS, "inferencepools", "gone")
     wait_for(lambda: cluster.pool(NS, "gone") is None, what="pool gone")
     wait_for(lambda: cluster.children(NS, "gone") == {}, what="children gone")
-
-
-REDIS = {"backend": "redis", "redis": {"managed": True}}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pools import example, pool_body
+from ipool_samples import example, pool_body
 
 from epdserve.operator.spec import InvalidSpec, parse_pool
 

@@ -1,0 +1,60 @@
+"""The operator survives API errors: 409 conflicts, 5xx, cut and expired watches — all
+injected in the emulator while the real operator runs."""
+
+from __future__ import annotations
+
+from ipool_samples import pool_body
+from k8s_cluster import NS, REDIS, deployment, patch_pool, wait_for
+
+DEPLOYMENTS = "apps/v1/deployments"
+POOLS = "epdserve.io/v1alpha1/inferencepools"
+
+
+def test_conflicts_on_create_and_apply_are_retried(cluster, make_pool):
+    em = cluster.server
+    em.call(em.emulator.fail, "post", DEPLOYMENTS, 409, times=2)
+    make_pool(pool_body("conflict", roles={"prefill": {}, "decode": {}}, cache=REDIS))
+    wait_for(lambda: deployment(cluster, "conflict-router"), what="created despite 409s")
+    em.call(em.emulator.fail, "patch", DEPLOYMENTS, 409, times=3)
+    patch_pool(cluster, "conflict", {"spec": {"roles": {"prefill": {"replicas": 3}}}})
+    wait_for(lambda: deployment(cluster, "conflict-prefill").spec.replicas == 3, what="scaled")
+
+
+def test_server_errors_are_retried(cluster, make_pool):
+    em = cluster.server
+    em.call(em.emulator.fail, "get", "v1/configmaps", 500, times=3)
+    em.call(em.emulator.fail, "post", "v1/services", 503, times=2)
+    make_pool(pool_body("flaky"))
+    wait_for(lambda: ("Service", "flaky") in cluster.children(NS, "flaky"), what="endpoint svc")
+    wait_for(lambda: deployment(cluster, "flaky-colocated"), what="engine deployment")
+    # The operator's own status writes fail too, and are retried.
+    em.call(em.emulator.fail, "patch", POOLS, 500, times=2, subresource="status")
+    patch_pool(cluster, "flaky", {"spec": {"router": {"replicas": 2}}})
+    wait_for(lambda: deployment(cluster, "flaky-router").spec.replicas == 2, what="router")
+    wait_for(
+        lambda: cluster.pool(NS, "flaky")["status"].get("observedGeneration") == 2,
+        what="status written for generation 2",
+    )
+
+
+def test_cut_watches_are_resumed(cluster, make_pool):
+    make_pool(pool_body("cut"))
+    wait_for(lambda: deployment(cluster, "cut-colocated"), what="created")
+    em = cluster.server
+    em.call(em.emulator.cut_watches)
+    em.call(em.emulator.fail, "get", POOLS, 500, times=2)  # the reconnect fails twice first
+    patch_pool(cluster, "cut", {"spec": {"roles": {"colocated": {"replicas": 4}}}})
+    wait_for(lambda: deployment(cluster, "cut-colocated").spec.replicas == 4, what="seen")
+
+
+def test_expired_watches_relist(cluster, make_pool):
+    make_pool(pool_body("gone410"))
+    wait_for(lambda: deployment(cluster, "gone410-colocated"), what="created")
+    em = cluster.server
+    em.call(em.emulator.compact)  # resuming from an old resourceVersion now answers 410
+    patch_pool(cluster, "gone410", {"spec": {"engine": {"image": "img:410"}}})
+
+    def image():
+        return deployment(cluster, "gone410-colocated").spec.template.spec.containers[0].image
+
+    wait_for(lambda: image() == "img:410", what="change seen after 410")
