@@ -18,7 +18,7 @@ def colocated(models):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def redis_pods(models, redis_server):
     if redis_server.proc is None:
         redis_server.start()
@@ -28,7 +28,7 @@ def redis_pods(models, redis_server):
     pods.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shared_pods(models, tmp_path_factory):
     volume = tmp_path_factory.mktemp("kv-volume")
     pods = PDPods(str(models.get("llama")), "SharedStorageConnector", {"path": str(volume)})
