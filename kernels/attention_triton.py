@@ -1,9 +1,11 @@
-"""Triton paged attention: one program per (query token, kv head), online softmax over pages.
+"""Triton paged attention: one program per (query tile, kv head), online softmax over pages.
 
-Each program loads the ``G = H / KVH`` query heads that share its kv head as the rows of a
-``[BLOCK_G, D]`` tile (padded to 16 rows for ``tl.dot``) and walks the KV pages from the
-first visible position (sliding window) to its own position (causal), one page per step.
-Semantics are those of ``attention_ref.paged_attention_ref``.
+A query tile is up to ``BLOCK_Q`` consecutive query tokens of ONE sequence; its rows are
+``(token, head)`` pairs for the ``G = H / KVH`` query heads that share the program's kv
+head, ``BLOCK_Q * BLOCK_G`` rows in all (>= 16 for ``tl.dot``). The program walks the KV
+pages from the first position any row may see (sliding window) to the last (causal), one
+page per step, so a prefill reads each page once per tile instead of once per token. Decode
+batches (``T == S``) use ``BLOCK_Q = 1``. Semantics: ``attention_ref.paged_attention_ref``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import triton.language as tl
 
 from epdserve.kernels.checks import check_paged_attention
 
+ROWS_PER_TILE = 64  # BLOCK_Q * BLOCK_G for prefill tiles
+
 
 @triton.jit
 def _tanh(x):
@@ -25,44 +29,77 @@ def _tanh(x):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, qsl_ptr, seq_ids_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, lens_ptr, qsl_ptr, tile_seq_ptr, tile_idx_ptr,
+    num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, stride_bt,
     scale, soft_cap, window, group, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
-    seq = tl.load(seq_ids_ptr + t).to(tl.int64)
-    ctx = tl.load(lens_ptr + seq).to(tl.int64)
-    q_end = tl.load(qsl_ptr + seq + 1).to(tl.int64)
-    pos = ctx - (q_end - t)  # the last query of a sequence sits at ctx - 1
-    lo = pos * 0
-    if USE_WINDOW:
-        lo = tl.maximum(pos - window + 1, 0)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
+    seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
+    if seq < num_seqs:
+        ctx = tl.load(lens_ptr + seq).to(tl.int64)
+        q_start = tl.load(qsl_ptr + seq).to(tl.int64)
+        q_len = tl.load(qsl_ptr + seq + 1).to(tl.int64) - q_start
+        first = tl.load(tile_idx_ptr + tile).to(tl.int64) * BLOCK_Q  # first query of the tile
+        r = tl.arange(0, BLOCK_Q * BLOCK_G)
+        qi = first + r // BLOCK_G
+        g = r % BLOCK_G
+        d = tl.arange(0, BLOCK_D)
+        row_ok = (qi < q_len) & (g < group)
+        d_ok = d < head_dim
+        pos = ctx - q_len + qi  # absolute position of each row's query
+        t = q_start + qi
+        heads = kvh * group + g
+        q_off = t[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        q_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+        if not NATIVE_DOT:
+            q = q.to(tl.float32)
+        last = tl.minimum(ctx - q_len + first + BLOCK_Q - 1, ctx - 1)
+        lo = pos * 0
+        lo_tile = last * 0
+        if USE_WINDOW:
+            lo = tl.maximum(pos - window + 1, 0)
+            lo_tile = tl.maximum(ctx - q_len + first - window + 1, 0)
+        acc = _attend_pages(q, kc_ptr, vc_ptr, bt_ptr + seq * stride_bt, kvh, pos, lo,
+                            lo_tile, last, d, d_ok,
+                            stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
+                            scale, soft_cap, BLOCK_SIZE, BLOCK_Q * BLOCK_G, BLOCK_D,
+                            USE_SOFT_CAP, NATIVE_DOT)  # fmt: skip
+        o_off = t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _attend_pages(
+    q, kc_ptr, vc_ptr, table_ptr, kvh, pos, lo, lo_tile, last, d, d_ok,
+    stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
+    scale, soft_cap,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the rows of ``q`` over the pages holding positions ``lo_tile..last``.
+
+    Row ``i`` sees keys ``lo[i] <= kpos <= pos[i]``; nothing outside ``lo_tile..last`` is even
+    loaded, so unwritten slots past the context never reach the sums.
+    """
     n = tl.arange(0, BLOCK_SIZE)
-    d_ok = d < head_dim
-    heads = kvh * group + g
-    q_mask = (g < group)[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask,
-                other=0.0)  # fmt: skip
-    if not NATIVE_DOT:
-        q = q.to(tl.float32)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for j in range(lo // BLOCK_SIZE, pos // BLOCK_SIZE + 1):
-        blk = tl.load(bt_ptr + seq * stride_bt + j).to(tl.int64)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for j in range(lo_tile // BLOCK_SIZE, last // BLOCK_SIZE + 1):
+        blk = tl.load(table_ptr + j).to(tl.int64)
         kpos = j * BLOCK_SIZE + n
-        k_ok = (kpos >= lo) & (kpos <= pos)
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k_off = blk * stride_kn + n[:, None] * stride_kb + kvh * stride_kh + d[None, :]
-        k = tl.load(kc_ptr + k_off, mask=kv_mask, other=0.0)
-        v_off = blk * stride_vn + n[:, None] * stride_vb + kvh * stride_vh + d[None, :]
-        v = tl.load(vc_ptr + v_off, mask=kv_mask, other=0.0)
+        visible = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= lo[:, None])
+        kv_mask = ((kpos >= lo_tile) & (kpos <= last))[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + blk * stride_kn + n[:, None] * stride_kb + kvh * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)  # fmt: skip
+        v = tl.load(vc_ptr + blk * stride_vn + n[:, None] * stride_vb + kvh * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)  # fmt: skip
         if NATIVE_DOT:
             s = tl.dot(q, tl.trans(k))
         else:
@@ -70,10 +107,11 @@ def _paged_attention_kernel(
         s = s * scale
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
-        s = tl.where(k_ok[None, :], s, float("-inf"))
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         if NATIVE_DOT:
             pv = tl.dot(p.to(v.dtype), v)
@@ -81,9 +119,7 @@ def _paged_attention_kernel(
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
         m = m_new
-    out = acc / l_sum[:, None]
-    o_off = t * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    return acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
 
 
 def paged_attention_triton(
@@ -106,8 +142,8 @@ def paged_attention_triton(
 
 
 def launch(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-           sliding_window, soft_cap, native_dot: bool):  # fmt: skip
-    """Launch the kernel on validated arguments (tests call this to pick ``native_dot``)."""
+           sliding_window, soft_cap, native_dot: bool, block_q: int | None = None):  # fmt: skip
+    """Launch the kernel on validated arguments (tests pick ``native_dot`` and ``block_q``)."""
     block_size = key_cache.shape[1]
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"key_cache block_size must be a power of two >= 16, got {block_size}")
@@ -119,20 +155,38 @@ def launch(query, key_cache, value_cache, block_table, seq_lens, query_start_loc
         return out
     kv_heads = key_cache.shape[2]
     group = num_heads // kv_heads
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    seq_ids = torch.repeat_interleave(
-        torch.arange(seq_lens.shape[0], device=query.device), q_lens, output_size=num_tokens
-    )
-    _paged_attention_kernel[(num_tokens, kv_heads)](
-        query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc, seq_ids,
+    block_g = triton.next_power_of_2(group)
+    if block_q is None:  # shapes only: no device sync to learn the query lengths
+        decode = num_tokens == seq_lens.shape[0]
+        block_q = 1 if decode else max(1, ROWS_PER_TILE // block_g)
+    block_g = max(block_g, triton.cdiv(16, block_q))  # tl.dot needs >= 16 rows
+    tile_seq, tile_idx = _tiles(query_start_loc, num_tokens, block_q)
+    _paged_attention_kernel[(tile_seq.shape[0], kv_heads)](
+        query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
+        tile_seq, tile_idx, seq_lens.shape[0],
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
         float(scale), float(soft_cap or 1.0), int(sliding_window or 0), group, head_dim,
-        BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_G=block_g,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         NATIVE_DOT=native_dot,
     )  # fmt: skip
     return out
+
+
+def _tiles(query_start_loc, num_tokens: int, block_q: int):
+    """Per program: its sequence (``>= S`` for spare programs) and tile index in it.
+
+    The grid is the upper bound ``T // BLOCK_Q + S`` so no device sync is needed.
+    """
+    num_seqs = query_start_loc.shape[0] - 1
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    tiles = torch.zeros(num_seqs + 1, dtype=torch.int64, device=query_start_loc.device)
+    tiles[1:] = torch.cumsum((q_lens + block_q - 1) // block_q, 0)
+    grid = torch.arange(num_tokens // block_q + num_seqs, device=query_start_loc.device)
+    tile_seq = torch.searchsorted(tiles[1:], grid, right=True)
+    tile_idx = grid - tiles[tile_seq.clamp(max=num_seqs)]
+    return tile_seq, tile_idx

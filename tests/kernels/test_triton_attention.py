@@ -83,6 +83,22 @@ def test_native_precision_dot_path_matches_twin_in_fp16():
     torch.testing.assert_close(out.float(), ref.float(), atol=4e-3, rtol=0)
 
 
+@pytest.mark.parametrize("block_q", [1, 2, 4, 16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_every_query_tile_size_matches_twin(block_q, window):
+    from epdserve.kernels.attention_triton import launch
+
+    batch = make_batch([(1, 9), (23, 40), (0, 5), (5, 5), (2, 30)], 8, 2, 64, 16)
+    out = launch(*batch.args(), 0.125, window, None, native_dot=False, block_q=block_q)
+    ref = paged_attention_ref(*batch.args(), 0.125, sliding_window=window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+
+
+def test_as_many_queries_as_sequences_is_not_assumed_to_be_decode_only():
+    batch = make_batch([(2, 9), (0, 7), (1, 4)], 4, 2, 64, 16)  # T == S == 3
+    assert_triton_matches_twin(batch)
+
+
 def test_block_size_below_sixteen_is_rejected_by_name():
     batch = make_batch([(1, 3)], 2, 1, 16, 8)
     with pytest.raises(ValueError, match="block_size"):
