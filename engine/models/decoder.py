@@ -25,6 +25,9 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [S, MB] int32
     seq_lens: torch.Tensor  # [S] int32
     query_start_loc: torch.Tensor  # [S+1] int32
+    # (sequence index, first position, end position) of image spans in this step's queries,
+    # whose tokens attend to each other bidirectionally (Gemma3)
+    bidirectional_spans: tuple[tuple[int, int, int], ...] = ()
 
 
 class DecoderLayer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from epdserve.engine.models.bidirectional import attend_spans
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.decoder import AttentionMetadata
 from epdserve.engine.models.rope import cos_sin_cache
@@ -107,6 +108,8 @@ class Gemma3LM:
             sliding_window=layer.sliding,
             soft_cap=cfg.attn_logit_softcap,
         )
+        if meta.bidirectional_spans:
+            attend_spans(out, q, k_cache, v_cache, meta, self.scale, layer.sliding)
         return F.linear(out.reshape(t, cfg.q_size), layer.o_w)
 
     @torch.inference_mode()

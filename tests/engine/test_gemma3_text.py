@@ -63,3 +63,51 @@ def test_text_model_has_no_vision_encoder(models):
     from epdserve.engine.models.loader import load_vision_encoder
 
     assert load_vision_encoder(models.get("llama"), torch.float32, torch.device("cpu")) is None
+
+
+def test_image_prompt_logits_match_transformers_with_bidirectional_image_span(models):
+    """Direct model forward (no scheduler): image features at the placeholder positions."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from epdserve.engine.models.decoder import AttentionMetadata
+    from epdserve.engine.models.loader import load_model, load_vision_encoder
+
+    path = models.get("gemma3")
+    proc = AutoProcessor.from_pretrained(path)
+    hf = AutoModelForImageTextToText.from_pretrained(path)
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "what is it " * 12}],
+        }
+    ]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = proc(
+        text=text, images=[Image.new("RGB", (80, 50), (200, 10, 30))], return_tensors="pt"
+    )
+    with torch.inference_mode():
+        ref = hf(**inputs).logits[0]
+    ids = inputs.input_ids[0]
+    model = load_model(path, torch.float32, torch.device("cpu"), 4096)
+    encoder = load_vision_encoder(path, torch.float32, torch.device("cpu"))
+    cfg, bs, t = model.config, 16, len(ids)
+    nblocks = -(-t // bs)
+    kv = torch.zeros(nblocks + 1, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(kv[:, i, 0], kv[:, i, 1]) for i in range(cfg.num_layers)]
+    table = torch.arange(1, nblocks + 1, dtype=torch.int32)[None]
+    pos = torch.arange(t)
+    image = (ids == hf.config.image_token_index).nonzero()[:, 0]
+    start, end = int(image[0]), int(image[-1]) + 1
+    meta = AttentionMetadata(
+        pos,
+        table[0, pos // bs].long() * bs + pos % bs,
+        table,
+        torch.tensor([t], dtype=torch.int32),
+        torch.tensor([0, t], dtype=torch.int32),
+        ((0, start, end),),
+    )
+    embeds = model.embed_tokens(ids)
+    embeds[start:end] = encoder.encode(inputs.pixel_values)[0]
+    logits = model.compute_logits(model.forward(ids, meta, caches, inputs_embeds=embeds))
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
