@@ -26,8 +26,23 @@ import kmock
 import yaml
 from k8s_patch import PatchError, json_patch, match_fields, match_labels, merge_patch
 from k8s_patch import server_side_apply as ssa
+from kmock._internal import parsing as kmock_parsing
 
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
+NAMESPACES = "/v1/namespaces"
+
+
+def _parse_path(path: str, _parse=kmock_parsing.parse_path):
+    # kmock 0.8 fails on /api/v1/namespaces[/NAME] (it reads them as a namespace prefix);
+    # a real server serves the Namespace objects there.
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+        name = parts[3] if len(parts) == 4 else None
+        return kmock_parsing.ParsedPath("", "v1", "namespaces", None, name, None)
+    return _parse(path)
+
+
+kmock_parsing.parse_path = _parse_path  # patched once, at import (test support code only)
 
 
 def _now() -> str:
@@ -71,6 +86,12 @@ class ApiEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.fallback[kmock.method.PUT] << self._serve_replace
         self.resources.load_bundled()
+        for namespace in ("default", "kube-system"):  # what every cluster starts with
+            self.create(
+                NAMESPACES,
+                None,
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+            )
 
     async def _handle(self, request):
         # kmock checks each reaction against its whole request journal (quadratic over a

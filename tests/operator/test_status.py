@@ -1,0 +1,60 @@
+"""Pure status aggregation and drift detection."""
+
+from __future__ import annotations
+
+from epdserve.operator.reconcile import drifted, is_subset
+from epdserve.operator.status import degraded_status, is_transition, pool_status, ready_replicas
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
+
+
+def test_ready_replicas_count_only_pods_of_the_current_template():
+    assert ready_replicas(None) == 0
+    dep = {"metadata": {"generation": 2}, "status": {"readyReplicas": 3, "updatedReplicas": 2}}
+    assert ready_replicas(dep) == 2
+    dep["status"]["observedGeneration"] = 1  # the controller has not seen generation 2 yet
+    assert ready_replicas(dep) == 0
+
+
+def test_pool_is_ready_only_when_every_deployment_is():
+    counts = {"prefill": {"desired": 2, "ready": 2}, "decode": {"desired": 1, "ready": 0}}
+    status = pool_status(counts, "http://p.ns.svc:80", "seed", 3, None, T0)
+    assert status["phase"] == "Progressing" and status["ready"] == "2/3"
+    ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+    assert ready["status"] == "False" and "decode 0/1" in ready["message"]
+    counts["decode"]["ready"] = 1
+    later = pool_status(counts, "http://p.ns.svc:80", "seed", 3, status["conditions"], T1)
+    assert later["phase"] == "Ready" and later["observedGeneration"] == 3
+    by_type = {c["type"]: c for c in later["conditions"]}
+    assert by_type["Ready"]["lastTransitionTime"] == T1  # changed
+    assert by_type["Degraded"]["lastTransitionTime"] == T0  # unchanged: time kept
+    assert is_transition(status, later, "Ready") and not is_transition(status, later, "Degraded")
+
+
+def test_degraded_status_keeps_the_last_known_counts():
+    good = pool_status({"colocated": {"desired": 1, "ready": 1}}, "http://e", "s", 1, None, T0)
+    bad = degraded_status("InvalidSpec", "spec.roles: ...", 2, good, T1)
+    assert bad["phase"] == "Degraded" and bad["endpoint"] == "http://e"
+    by_type = {c["type"]: c for c in bad["conditions"]}
+    assert (
+        by_type["Degraded"]["status"] == "True" and by_type["Degraded"]["reason"] == "InvalidSpec"
+    )
+    assert by_type["Ready"]["status"] == "True"  # the old pods still serve
+
+
+def test_server_defaults_are_not_drift_but_hand_edits_are():
+    want = {
+        "metadata": {"annotations": {"epdserve.io/desired-hash": "h"}},
+        "spec": {"a": [{"x": 1}]},
+    }
+    live = {
+        "metadata": {"annotations": {"epdserve.io/desired-hash": "h"}, "uid": "u"},
+        "spec": {"a": [{"x": 1, "defaulted": True}], "extra": 1},
+    }
+    assert not drifted(live, want)
+    live["spec"]["a"][0]["x"] = 2
+    assert drifted(live, want)
+    assert not is_subset([1], [1, 2])  # lists must match in length
+    live["spec"]["a"][0]["x"] = 1
+    live["metadata"]["annotations"]["epdserve.io/desired-hash"] = "old"
+    assert drifted(live, want)
