@@ -179,6 +179,14 @@ def oracle_hit_rate(model_dir: Path, prompts: list[str]) -> float:
     return hits / total
 
 
+def block_bytes(model_dir: Path, dtype_bytes: int = 4) -> int:
+    """Bytes of one KV block of the model (all layers, K and V; fp32 by default)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * BS * kv_heads * head_dim * dtype_bytes
+
+
 def start_pod(args, model_dir: Path, logs: Path) -> tuple[subprocess.Popen, str]:
     port, events, replay = free_port(), free_port(), free_port()
     if args.pods == "standin":
@@ -193,26 +201,16 @@ def start_pod(args, model_dir: Path, logs: Path) -> tuple[subprocess.Popen, str]
             "replay_endpoint": f"tcp://*:{replay}",
             "topic": f"kv@127.0.0.1:{port}@tiny",
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "epdserve.engine.cli",
-            "serve",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--served-model-name",
-            "tiny",
-            "--kv-events-config",
-            json.dumps(config),
-            "--block-size",
-            str(BS),
-            "--num-gpu-blocks-override",
-            str(args.num_blocks),
-            *args.serve_args.split(),
+        cmd = [sys.executable, "-m", "epdserve.engine.cli", "serve", str(model_dir)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
+        cmd += ["--kv-events-config", json.dumps(config), "--block-size", str(BS)]
+        cmd += [
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            str(args.num_blocks * block_bytes(model_dir)),
         ]
+        cmd += args.serve_args.split()
     log = open(logs / f"pod-{port}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port},events={events},replay={replay}"
@@ -287,7 +285,7 @@ def run_strategy(args, strategy: str, model_dir: Path, prompts: list[str], logs:
             procs.append(proc)
             specs.append(spec)
         for spec in specs:
-            wait_up(spec.split(",")[0] + "/health", procs)
+            wait_up(spec.split(",")[0] + ("/health" if args.pods == "standin" else "/ready"), procs)
         port = free_port()
         cmd = [
             sys.executable,

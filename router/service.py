@@ -176,7 +176,14 @@ class Router:
         ids = self.prompt_ids(path, body) if pods else None
         matched, totals, keys = self._match(pods, ids, self._lora(body))
         candidates = [
-            Candidate(p.name, p.load(), p.kv_usage, matched.get(p.name, 0), totals.get(p.name, 0))
+            Candidate(
+                p.name,
+                p.load(),
+                p.kv_usage,
+                matched.get(p.name, 0),
+                totals.get(p.name, 0),
+                self.index.pod_block_count(p.name),
+            )
             for p in pods
         ]
         order = self.strategy.rank(candidates)

@@ -15,6 +15,7 @@ class Candidate:
     kv_usage: float  # 0..1
     matched_blocks: int  # consecutive prefix blocks cached on the pod
     total_blocks: int  # full blocks in the prompt
+    cached_blocks: int = 0  # blocks the index holds for the pod (emptier caches evict less)
 
     @property
     def prefix_fraction(self) -> float:
@@ -90,7 +91,9 @@ class Prefix(Strategy):
 
     def rank(self, candidates: list[Candidate]) -> list[Decision]:
         tie = self._tiebreak.key(candidates)
-        ordered = sorted(candidates, key=lambda c: (-c.matched_blocks, c.load, tie[c.name]))
+        ordered = sorted(
+            candidates, key=lambda c: (-c.matched_blocks, c.load, c.cached_blocks, tie[c.name])
+        )
         return [Decision(c.name, _reason(c)) for c in ordered]
 
 
@@ -116,7 +119,10 @@ class PrefixLoad(Strategy):
     def rank(self, candidates: list[Candidate]) -> list[Decision]:
         tie = self._tiebreak.key(candidates)
         max_load = max((c.load for c in candidates), default=0.0)
-        ordered = sorted(candidates, key=lambda c: (-self.score(c, max_load), c.load, tie[c.name]))
+        ordered = sorted(
+            candidates,
+            key=lambda c: (-self.score(c, max_load), c.load, c.cached_blocks, tie[c.name]),
+        )
         return [Decision(c.name, _reason(c)) for c in ordered]
 
 

@@ -90,3 +90,14 @@ def test_endpoint_flag_follows_the_port_convention_and_overrides():
 def test_bad_endpoint_flags_name_the_flag(spec):
     with pytest.raises(ValueError, match="--endpoint"):
         PodEndpoint.parse(spec, 5557, 5558)
+
+
+def test_a_new_prefix_goes_to_the_pod_with_the_emptiest_cache():
+    for name in ("prefix", "prefix+load"):
+        s = make_strategy(name)
+        pods = [
+            Candidate("a", 0, 0, 0, 10, 30),
+            Candidate("b", 0, 0, 0, 10, 0),
+            Candidate("c", 0, 0, 0, 10, 12),
+        ]
+        assert [first(s, pods).pod for _ in range(3)] == ["b", "b", "b"]
