@@ -1,0 +1,74 @@
+"""Scheduling of multimodal inputs alongside tokens (vLLM v1 semantics, simplified).
+
+A step that computes tokens of an image placeholder needs that image's encoder output:
+cached (shared across requests by identifier) or computed this step within the encoder
+budget. A chunk never ends inside a placeholder span (Gemma3's image tokens attend to
+each other, so a span's K/V must be written in one forward).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from epdserve.engine.core.encoder_cache_manager import EncoderCacheManager
+
+
+class MMFeature(msgspec.Struct, array_like=True):
+    """One multimodal item of a request: identifier, placeholder span, raw pixels."""
+
+    identifier: str
+    offset: int
+    length: int
+    data: bytes  # raw little-endian buffer of the processed pixels
+    shape: list[int]
+    dtype: str = "float32"
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def clip_to_spans(features: list[MMFeature], computed: int, n: int) -> int:
+    """Shrink (or, for a span already entered, extend) ``n`` so no span is split."""
+    end = computed + n
+    for f in features:
+        if f.offset < end < f.end:
+            return f.offset - computed if f.offset > computed else f.end - computed
+    return n
+
+
+def plan_encoder_inputs(
+    request_id: str,
+    features: list[MMFeature],
+    computed: int,
+    n: int,
+    cache: EncoderCacheManager,
+    budget: int,
+) -> tuple[int, list[int], int]:
+    """``(n, indices of features to encode now, encoder tokens used)`` for one request.
+
+    Features already cached are referenced; others are reserved in the cache and encoded
+    this step if the budget allows, else the chunk stops before them.
+    """
+    to_encode, used = [], 0
+    for idx, f in enumerate(features):
+        if f.end <= computed or f.offset >= computed + n:
+            continue
+        if cache.check_and_update_cache(request_id, f.identifier):
+            continue
+        if f.length <= budget - used and cache.can_allocate(f.length):
+            cache.allocate(request_id, f.identifier, f.length)
+            to_encode.append(idx)
+            used += f.length
+            continue
+        return max(0, f.offset - computed), to_encode, used
+    return n, to_encode, used
+
+
+def release_passed(
+    request_id: str, features: list[MMFeature], computed: int, cache: EncoderCacheManager
+) -> None:
+    """Drop the request's references to images whose span is fully computed."""
+    for f in features:
+        if f.end <= computed:
+            cache.free_encoder_input(request_id, f.identifier)

@@ -1,0 +1,66 @@
+"""Runner side of multimodal inputs: run the vision encoder, keep its outputs, and place
+them at their placeholder positions in a step's input embeddings."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class EncoderOutputs:
+    """Encoder outputs by identifier (freed when the scheduler says so); counts runs."""
+
+    def __init__(self, encoder):
+        self.encoder = encoder
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.num_runs = 0  # images actually encoded
+
+    def encode(self, features) -> None:
+        todo = [f for f in features if f.identifier not in self.outputs]
+        if not todo:
+            return
+        pixels = torch.stack(
+            [
+                torch.from_numpy(
+                    np.frombuffer(f.data, dtype=np.dtype(f.dtype)).reshape(f.shape).copy()
+                )
+                for f in todo
+            ]
+        )
+        embeds = self.encoder.encode(pixels)
+        for f, out in zip(todo, embeds, strict=True):
+            if out.shape[0] != f.length:
+                raise ValueError(
+                    f"image {f.identifier[:12]}: encoder gave {out.shape[0]} tokens "
+                    f"for a {f.length}-token placeholder"
+                )
+            self.outputs[f.identifier] = out
+        self.num_runs += len(todo)
+
+    def put(self, identifier: str, embeds: torch.Tensor) -> None:
+        self.outputs[identifier] = embeds
+
+    def free(self, identifiers: list[str]) -> None:
+        for identifier in identifiers:
+            self.outputs.pop(identifier, None)
+
+
+def place_image_embeddings(
+    embeds: torch.Tensor, order, starts, counts, qsl, features_of, outputs: EncoderOutputs
+):
+    """Write encoder outputs into ``embeds`` rows; returns the bidirectional spans."""
+    spans = []
+    for i, req_id in enumerate(order):
+        feats = features_of(req_id)
+        if not feats:
+            continue
+        start, n = int(starts[i]), int(counts[i])
+        for f in feats:
+            a, b = max(f.offset, start), min(f.end, start + n)
+            if a >= b:
+                continue
+            out = outputs.outputs[f.identifier]
+            row = int(qsl[i]) + a - start
+            embeds[row : row + (b - a)] = out[a - f.offset : b - f.offset].to(embeds.dtype)
+            spans.append((i, f.offset, f.end))
+    return tuple(spans)
