@@ -109,9 +109,11 @@ def test_results_do_not_alias_the_reused_buffers():
     assert torch.equal(out, kept)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_query_may_be_a_strided_slice_of_a_fused_qkv_tensor(dtype):
-    batch = make_batch(MIXED, 8, 2, 64, 16, dtype=dtype)
+@pytest.mark.parametrize("specs", [DECODE, MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize(("kv_heads", "dtype"), [(2, torch.float32), (2, torch.bfloat16),
+                                                 (1, torch.bfloat16), (8, torch.bfloat16)])  # fmt: skip
+def test_query_may_be_a_strided_slice_of_a_fused_qkv_tensor(specs, kv_heads, dtype):
+    batch = make_batch(specs, 8, kv_heads, 64, 16, dtype=dtype)
     qkv = torch.cat([batch.query, torch.zeros_like(batch.query[:, :4])], dim=1)
     sliced = qkv[:, :8]
     assert not sliced.is_contiguous()
