@@ -1,10 +1,11 @@
 """Decode-attention bandwidth of the torch twin vs a plain ``copy_`` of the same bytes.
 
 Prints one JSON object. For each config a cross-layer KV cache is built, 64 sequences of
-``ctx`` tokens decode one token each through ``epdserve.kernels.paged_attention`` (the CPU
-twin), and the KV bytes it must read are timed against ``dst.copy_(src)`` of that many
-bytes in the same run (interleaved, best of N). ``ratio`` = twin bytes/s / copy bytes/s
-(target >= 0.30); ``gather_ms`` is the twin's block gather alone (its floor).
+``ctx`` tokens (256, 1024, or "ragged": 16..1024) decode one token each through
+``epdserve.kernels.paged_attention`` (the CPU twin), and the KV bytes it must read are timed
+against ``dst.copy_(src)`` of that many bytes in the same run (interleaved, best of N).
+``ratio`` = twin bytes/s / copy bytes/s (target >= 0.30); ``gather_ms`` is the block gather
+alone with every sequence padded to the longest (the twin's floor when lengths are equal).
 
     .venv/bin/python bench/kernels.py [--quick]
 """
@@ -40,17 +41,25 @@ def best_of_interleaved(fns, repeats: int) -> list[float]:
     return best
 
 
+def context_lengths(ctx, seqs: int) -> torch.Tensor:
+    """``ctx`` tokens each, or for ``"ragged"`` lengths spread over 16..1024 (fixed seed)."""
+    if ctx == "ragged":
+        return torch.randint(16, 1025, (seqs,), generator=torch.Generator().manual_seed(0))
+    return torch.full((seqs,), ctx)
+
+
 def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats):
-    nblk = -(-ctx // block_size)
+    lens = context_lengths(ctx, seqs)
+    nblk = -(-int(lens.max()) // block_size)
     num_blocks = seqs * nblk + 1
     kv = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim, dtype=dtype)
     key_cache, value_cache = kv[:, 1, 0], kv[:, 1, 1]
     table = (torch.randperm(num_blocks - 1)[: seqs * nblk] + 1).view(seqs, nblk).int()
-    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    seq_lens = lens.int()
     qsl = torch.arange(seqs + 1, dtype=torch.int32)
     query = torch.randn(seqs, heads, head_dim, dtype=dtype)
     args = (query, key_cache, value_cache, table, seq_lens, qsl, head_dim**-0.5)
-    kv_bytes = 2 * seqs * ctx * kv_heads * head_dim * kv.element_size()
+    kv_bytes = 2 * int(lens.sum()) * kv_heads * head_dim * kv.element_size()
     src = torch.randn(kv_bytes // kv.element_size(), dtype=dtype)
     dst = torch.empty_like(src)
     ids = block_ids(table, None, nblk)
@@ -85,7 +94,7 @@ def main() -> None:
     results = []
     for dtype in (torch.bfloat16, torch.float32):
         for name, heads, kv_heads, head_dim in CONFIGS:
-            for ctx in (256, 1024):
+            for ctx in (256, 1024, "ragged"):
                 case = decode_case(heads, kv_heads, head_dim, ctx, opts.seqs,
                                    opts.block_size, dtype, repeats)  # fmt: skip
                 head = {"config": name, "heads": heads, "kv_heads": kv_heads,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.kernels.checks import check_paged_attention
-from epdserve.kernels.decode_ref import decode_attention
+from epdserve.kernels.decode_ref import decode_attention, length_groups
 from epdserve.kernels.gather import block_ids, gather_blocks
 
 
@@ -42,9 +42,9 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; returns ``out[T, H, D]`` in query's dtype.
 
-    All-decode batches (every q_len == 1) run as one padded, masked, batched computation
-    (``decode_ref``); in a mixed batch the decode sequences still run batched and each
-    longer query span runs one SDPA of its own.
+    Decode sequences (q_len == 1) run as padded, masked, batched computations
+    (``decode_ref``), split into a few groups of similar length when padding everyone to the
+    longest would waste a lot; each longer query span runs one SDPA of its own.
     """
     check_paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
@@ -56,15 +56,15 @@ def paged_attention_ref(
     q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     _check_lengths(q_lens, lens, block_table.shape[1] * key_cache.shape[1])
     args = (key_cache, value_cache, block_table, scale, sliding_window, soft_cap)
-    if all(n == 1 for n in q_lens):
-        if q_lens:
-            out.copy_(decode_attention(query, lens, *args))
-        return out
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
-        rows = torch.tensor([starts[i] for i in decode], device=query.device)
-        q = query.index_select(0, rows)
-        res = decode_attention(q, [lens[i] for i in decode], *args, seqs=decode)
+    bs = key_cache.shape[1]
+    for group in length_groups(decode, [-(-lens[i] // bs) for i in decode]):
+        if len(group) == len(q_lens):  # every sequence, in order: no index shuffling
+            out.copy_(decode_attention(query, lens, *args))
+            continue
+        rows = torch.tensor([starts[i] for i in group], device=query.device)
+        res = decode_attention(query.index_select(0, rows), [lens[i] for i in group], *args,
+                               seqs=group)  # fmt: skip
         out.index_copy_(0, rows, res)
     for i, n in enumerate(q_lens):
         if n > 1:

@@ -22,8 +22,44 @@ import torch.nn.functional as F
 from epdserve.kernels.gather import block_ids, gather_blocks, gather_head_major
 from epdserve.kernels.workspace import scratch
 
+# a decode group padded separately holds at least this many sequences (per-call overhead)
+MIN_GROUP = 4
 # beyond this many kv heads the block-diagonal trick's extra flops cost more than a transpose
 MAX_BLOCK_DIAGONAL_KV_HEADS = 4
+
+
+def length_groups(seqs: list[int], blocks: list[int], max_groups: int = 4) -> list[list[int]]:
+    """Split ``seqs`` (with ``blocks[i]`` KV blocks each) into groups padded separately.
+
+    Sequences are ordered by length; the group that pads most is split at its best point
+    while that removes over a quarter of its padded blocks and both halves keep
+    ``MIN_GROUP`` sequences. Keeps input order when no split happens.
+    """
+    if len(seqs) < 2 * MIN_GROUP:
+        return [seqs] if seqs else []
+    order = sorted(range(len(seqs)), key=blocks.__getitem__)
+    groups = [order]
+    while len(groups) < max_groups:
+        best = max(groups, key=lambda g: len(g) * blocks[g[-1]] - sum(blocks[i] for i in g))
+        cut = _best_cut(best, blocks)
+        if cut is None:
+            break
+        groups.remove(best)
+        groups += [best[:cut], best[cut:]]
+    if len(groups) == 1:
+        return [seqs]
+    return [[seqs[i] for i in g] for g in groups]
+
+
+def _best_cut(group: list[int], blocks: list[int]) -> int | None:
+    cost = len(group) * blocks[group[-1]]
+    cuts = range(MIN_GROUP, len(group) - MIN_GROUP + 1)
+    best = min(cuts, key=lambda c: c * blocks[group[c - 1]] + (len(group) - c) * blocks[group[-1]],
+               default=None)  # fmt: skip
+    if best is None:
+        return None
+    split = best * blocks[group[best - 1]] + (len(group) - best) * blocks[group[-1]]
+    return best if split < 0.75 * cost else None
 
 
 def decode_attention(query, lens, key_cache, value_cache, block_table, scale, window, soft_cap,

@@ -131,3 +131,15 @@ def test_public_function_accepts_keyword_arguments():
         scale=0.125, sliding_window=4, soft_cap=None,
     )  # fmt: skip
     torch.testing.assert_close(out, paged_attention_ref(*b.args(), 0.125, sliding_window=4))
+
+
+def test_ragged_decode_batch_split_into_length_groups_matches_naive():
+    lens = [3, 200, 5, 180, 9, 17, 190, 2, 160, 7, 12, 170]
+    batch = make_batch([(1, n) for n in lens], 4, 2, 64, 16)
+    assert_matches_naive(batch)
+    assert_matches_naive(batch, window=20, cap=5.0)
+
+
+def test_mixed_batch_with_ragged_decodes_matches_naive():
+    specs = [(1, n) for n in (3, 200, 5, 180, 9, 190, 2, 160)] + [(6, 40), (9, 9)]
+    assert_matches_naive(make_batch(specs, 8, 2, 64, 16))

@@ -33,3 +33,20 @@ def test_gather_head_major_lays_each_sequence_out_per_kv_head(kv_heads, head_dim
     out = gather_head_major(key_cache, ids.view(-1), 2, "test")
     expected = key_cache[ids.long()].reshape(2, 48, kv_heads, head_dim).transpose(1, 2)
     assert torch.equal(out, expected.reshape(2 * kv_heads, 48, head_dim))
+
+
+def test_length_groups_keep_similar_lengths_together():
+    from epdserve.kernels.decode_ref import length_groups
+
+    seqs = list(range(10, 20))
+    blocks = [1, 9, 1, 9, 1, 9, 1, 9, 1, 9]
+    groups = length_groups(seqs, blocks)
+    assert sorted(map(sorted, groups)) == [[10, 12, 14, 16, 18], [11, 13, 15, 17, 19]]
+
+
+def test_length_groups_leave_even_or_small_batches_whole_and_in_order():
+    from epdserve.kernels.decode_ref import length_groups
+
+    assert length_groups(list(range(10)), [4, 5] * 5) == [list(range(10))]
+    assert length_groups([3, 1, 2], [1, 9, 1]) == [[3, 1, 2]]
+    assert length_groups([], []) == []
