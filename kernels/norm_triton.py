@@ -39,10 +39,12 @@ def rms_norm_triton(x, weight, eps, residual=None):
     out = torch.empty_like(x2)
     res2 = x2 if residual is None else residual.reshape(-1, hidden).contiguous()
     new_res = torch.empty_like(x2) if residual is not None else out
+    block = triton.next_power_of_2(hidden)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight.contiguous(), out, new_res, hidden, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 16),  # one row per program: widen for big rows
         )  # fmt: skip
     out = out.view(x.shape)
     return out if residual is None else (out, new_res.view(x.shape))
