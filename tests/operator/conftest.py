@@ -68,8 +68,11 @@ def make_pool(cluster):
         created.append(body["metadata"]["name"])
         return cluster.custom.create_namespaced_custom_object(*GVP, NS, "inferencepools", body)
 
-    yield make
-    for name in created:
+    def gone(name: str) -> bool:
         if cluster.pool(NS, name) is not None:
             cluster.custom.delete_namespaced_custom_object(*GVP, NS, "inferencepools", name)
-        wait_for(lambda n=name: not cluster.children(NS, n), what=f"{name} children gone")
+        return not cluster.children(NS, name)
+
+    yield make
+    for name in created:  # wait_for retries through faults a test may have left behind
+        wait_for(lambda n=name: gone(n), what=f"{name} and its children gone")

@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import datetime
 import json
-import uuid
 
 import attrs
 import kmock
 import yaml
 from k8s_patch import PatchError, json_patch, match_fields, match_labels, merge_patch
 from k8s_patch import server_side_apply as ssa
+from k8s_store import ObjectStore, api_error, resource_key, status_body
 from kmock._internal import parsing as kmock_parsing
 
-CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
 NAMESPACES = "/v1/namespaces"
 
 
@@ -45,33 +43,8 @@ def _parse_path(path: str, _parse=kmock_parsing.parse_path):
 kmock_parsing.parse_path = _parse_path  # patched once, at import (test support code only)
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
-    return kmock.KubernetesError(status=status, reason=reason, message=message, details={})
-
-
-def status_body(code: int, reason: str, message: str = "") -> dict:
-    """A `Status` object as the API server returns it on errors."""
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure"} | {
-        "code": code,
-        "reason": reason,
-        "message": message or reason,
-    }
-
-
-def _key(resource) -> str:
-    return f"{resource.group}/{resource.version}/{resource.plural}"
-
-
-def _spec_part(obj: dict) -> dict:
-    return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
-
-
 @attrs.define(kw_only=True)
-class ApiEmulator(kmock.KubernetesEmulator):
+class ApiEmulator(ObjectStore, kmock.KubernetesEmulator):
     """kmock's KubernetesEmulator with the semantics a real API server has (see module doc)."""
 
     store: dict = attrs.field(factory=dict, init=False)  # (res key, ns, name) -> object
@@ -101,166 +74,18 @@ class ApiEmulator(kmock.KubernetesEmulator):
         # fallbacks below, so a fault injected by a reaction leaves the state untouched.
         return await super(kmock.KubernetesEmulator, self)._handle(request)
 
-    # -- state changes (synchronous: nothing interleaves inside one) -----------------------
+    # -- fault injection -----------------------------------------------------------------
 
-    def _record(self, res: str, etype: str, obj: dict) -> None:
-        self.history.append((self.revision, res, etype, copy.deepcopy(obj)))
-        for waiter in self._waiters:
-            waiter.set()
+    def fail(self, method, resource, status, times=1, subresource=None, watch=False):
+        """Answer the next `times` matching requests with an error, via kmock's DSL.
 
-    def _bump(self, obj: dict) -> None:
-        self.revision += 1
-        obj["metadata"]["resourceVersion"] = str(self.revision)
-
-    def _has_status(self, res: str) -> bool:
-        info = self._info(res)
-        return info is not None and "status" in info.subresources
-
-    def _info(self, res: str):
-        for resource in self._get_resources():
-            if _key(resource) == res:
-                return self.resources[resource]
-        return None
-
-    def create(self, res: str, namespace: str | None, obj: dict) -> dict:
-        """Store a new object (201 semantics); raises 409 if it exists."""
-        obj = copy.deepcopy(obj)
-        meta = obj.setdefault("metadata", {})
-        if not meta.get("name") and meta.get("generateName"):
-            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-        if not meta.get("name"):
-            raise _error(422, "Invalid", "metadata.name: Required value")
-        if namespace:
-            meta["namespace"] = namespace
-        if (res, namespace, meta["name"]) in self.store:
-            raise _error(409, "AlreadyExists", f"{res} {meta['name']!r} already exists")
-        for field in ("resourceVersion", "deletionTimestamp"):
-            meta.pop(field, None)
-        meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
-        if self._has_status(res) and res != CRDS:
-            obj.pop("status", None)
-        self._bump(obj)
-        self.store[res, namespace, meta["name"]] = obj
-        if res == CRDS:
-            self._serve_crd(obj)
-        self._record(res, "ADDED", obj)
-        if self._orphaned(obj):  # the garbage collector takes objects whose owners are gone
-            self.remove(res, namespace, meta["name"])
-        return obj
-
-    def _orphaned(self, obj: dict) -> bool:
-        owners = {o.get("uid") for o in obj["metadata"].get("ownerReferences") or []}
-        if not owners:
-            return False
-        return not any(o["metadata"].get("uid") in owners for o in self.store.values())
-
-    def update(self, res: str, namespace: str | None, name: str, new: dict, status: bool) -> dict:
-        """Replace an object's content; `status` selects the status subresource."""
-        old = self.store.get((res, namespace, name))
-        if old is None:
-            raise _error(404, "NotFound", f"{res} {name!r} not found")
-        want_rv = (new.get("metadata") or {}).get("resourceVersion")
-        if want_rv and want_rv != old["metadata"]["resourceVersion"]:
-            raise _error(409, "Conflict", "the object has been modified; please apply your changes")
-        result = copy.deepcopy(old)
-        if status:
-            result["status"] = copy.deepcopy(new.get("status"))
-        else:
-            meta = dict(new.get("metadata") or {})
-            for field in ("uid", "creationTimestamp", "generation", "resourceVersion", "name"):
-                meta[field] = old["metadata"].get(field)
-            if old["metadata"].get("deletionTimestamp"):
-                meta["deletionTimestamp"] = old["metadata"]["deletionTimestamp"]
-            keep_status = self._has_status(res) and res != CRDS
-            result = {**_spec_part(new), "metadata": meta}
-            if keep_status and "status" in old:
-                result["status"] = old["status"]
-            elif not keep_status and "status" in new:
-                result["status"] = new["status"]
-            result["metadata"] = {k: v for k, v in meta.items() if v is not None}
-            if _spec_part(result) != _spec_part(old):
-                result["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
-        if result == old:
-            return old  # a no-op write changes nothing, as on a real server
-        meta = result["metadata"]
-        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
-            return self.remove(res, namespace, name)
-        self._bump(result)
-        self.store[res, namespace, name] = result
-        if res == CRDS:
-            self._serve_crd(result)
-        self._record(res, "MODIFIED", result)
-        return result
-
-    def delete(self, res: str, namespace: str | None, name: str, orphan: bool = False) -> dict:
-        """Delete now, or mark for deletion while finalizers remain."""
-        obj = self.store.get((res, namespace, name))
-        if obj is None:
-            raise _error(404, "NotFound", f"{res} {name!r} not found")
-        if obj["metadata"].get("finalizers"):
-            if not obj["metadata"].get("deletionTimestamp"):
-                marked = copy.deepcopy(obj)
-                marked["metadata"]["deletionTimestamp"] = _now()
-                self._bump(marked)
-                self.store[res, namespace, name] = marked
-                self._record(res, "MODIFIED", marked)
-            return self.store[res, namespace, name]
-        return self.remove(res, namespace, name, orphan)
-
-    def remove(self, res: str, namespace: str | None, name: str, orphan: bool = False) -> dict:
-        """Drop an object and (unless orphaned) garbage-collect what it owns."""
-        obj = self.store.pop((res, namespace, name))
-        self._bump(obj)
-        self._record(res, "DELETED", obj)
-        uid = obj["metadata"]["uid"]
-        if not orphan:
-            for key, child in list(self.store.items()):
-                owners = child["metadata"].get("ownerReferences") or []
-                if key in self.store and any(o.get("uid") == uid for o in owners):
-                    self.delete(*key)
-        return obj
-
-    def _serve_crd(self, crd: dict) -> None:
-        spec, names = crd["spec"], crd["spec"]["names"]
-        for version in spec["versions"]:
-            if version.get("served", True):
-                self.resources[f"{spec['group']}/{version['name']}/{names['plural']}"] = (
-                    kmock.ResourceInfo(
-                        kind=names["kind"],
-                        singular=names.get("singular"),
-                        namespaced=spec.get("scope") == "Namespaced",
-                        shortnames=set(names.get("shortNames") or ()),
-                        categories=set(names.get("categories") or ()),
-                        verbs={"create", "delete", "get", "list", "patch", "update", "watch"},
-                        subresources=set(version.get("subresources") or ()),
-                    )
-                )
-        crd["status"] = {
-            "acceptedNames": names,
-            "storedVersions": [v["name"] for v in spec["versions"] if v.get("storage")],
-            "conditions": [
-                {"type": t, "status": "True", "reason": t, "lastTransitionTime": _now()}
-                for t in ("NamesAccepted", "Established")
-            ],
-        }
-
-    def cut_watches(self) -> None:
-        """End every open watch stream (clients must reconnect and resume)."""
-        self._epoch += 1
-        for waiter in self._waiters:
-            waiter.set()
-
-    def compact(self) -> None:
-        """Forget history: watches resuming from an older resourceVersion get 410 Gone."""
-        self.compacted = self.revision
-        self.history.clear()
-        self.cut_watches()
-
-    def fail(self, method: str, resource: str, status: int, times: int = 1, subresource=None):
-        """Answer the next `times` matching requests with an error, via kmock's DSL."""
+        `subresource` ("status") or `watch=True` narrow the match further.
+        """
         criteria = [kmock.method(method.upper()), kmock.resource(resource)]
         if subresource:
             criteria.append(kmock.subresource(subresource))
+        if watch:
+            criteria.append(kmock.action.WATCH)
         reason = {409: "Conflict", 429: "TooManyRequests"}.get(status, "InternalError")
         left = [times]
 
@@ -284,10 +109,10 @@ class ApiEmulator(kmock.KubernetesEmulator):
         return payload
 
     def _resolve(self, request) -> tuple[str, str | None]:
-        res = _key(request.resource)
+        res = resource_key(request.resource)
         info = self._info(res)
         if info is None:
-            raise _error(404, "NotFound", f"the server could not find the resource {res}")
+            raise api_error(404, "NotFound", f"the server could not find the resource {res}")
         return res, request.namespace if info.namespaced is not False else None
 
     def _matches(self, request, res, namespace, key, obj) -> bool:
@@ -354,7 +179,7 @@ class ApiEmulator(kmock.KubernetesEmulator):
         res, namespace = self._resolve(request)
         obj = self.store.get((res, namespace, request.name))
         if obj is None:
-            raise _error(404, "NotFound", f"{res} {request.name!r} not found")
+            raise api_error(404, "NotFound", f"{res} {request.name!r} not found")
         return copy.deepcopy(obj)
 
     async def _serve_create(self, request):
@@ -381,13 +206,13 @@ class ApiEmulator(kmock.KubernetesEmulator):
                     return kmock.Response(status=201, payload=self.create(res, namespace, applied))
                 new = ssa(live, applied)
             elif live is None:
-                raise _error(404, "NotFound", f"{res} {request.name!r} not found")
+                raise api_error(404, "NotFound", f"{res} {request.name!r} not found")
             elif ctype == "application/json-patch+json":
                 new = json_patch(live, json.loads(request.text))
             else:  # merge-patch+json; strategic-merge-patch+json approximated as merge
                 new = merge_patch(live, json.loads(request.text))
         except PatchError as exc:
-            raise _error(422, "Invalid", str(exc)) from exc
+            raise api_error(422, "Invalid", str(exc)) from exc
         if new["metadata"].get("resourceVersion") == live["metadata"].get("resourceVersion"):
             new["metadata"].pop("resourceVersion", None)  # untouched: no precondition asked
         return copy.deepcopy(self.update(res, namespace, request.name, new, status))

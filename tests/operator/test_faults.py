@@ -42,7 +42,7 @@ def test_cut_watches_are_resumed(cluster, make_pool):
     wait_for(lambda: deployment(cluster, "cut-colocated"), what="created")
     em = cluster.server
     em.call(em.emulator.cut_watches)
-    em.call(em.emulator.fail, "get", POOLS, 500, times=2)  # the reconnect fails twice first
+    em.call(em.emulator.fail, "get", POOLS, 500, times=2, watch=True)  # reconnects fail twice
     patch_pool(cluster, "cut", {"spec": {"roles": {"colocated": {"replicas": 4}}}})
     wait_for(lambda: deployment(cluster, "cut-colocated").spec.replicas == 4, what="seen")
 
