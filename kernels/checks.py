@@ -42,6 +42,13 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def check_same_device(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
+    """Every tensor in ``others`` lives on ``ref``'s device."""
+    for name, t in others.items():
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
 def check_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """Paged caches ``[num_blocks, block_size, kv_heads, head_dim]`` with a contiguous last dim."""
     check_float("key_cache", key_cache, 4)
@@ -67,6 +74,8 @@ def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) ->
     check_same_dtype("key", key, "key_cache", key_cache)
     check_same_dtype("value", value, "key_cache", key_cache)
     check_index("slot_mapping", slot_mapping, 1)
+    check_same_device("key", key, value=value, key_cache=key_cache, value_cache=value_cache,
+                      slot_mapping=slot_mapping)  # fmt: skip
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
@@ -89,6 +98,9 @@ def check_paged_attention(
     check_index("block_table", block_table, 2)
     check_index("seq_lens", seq_lens, 1)
     check_index("query_start_loc", query_start_loc, 1)
+    check_same_device("query", query, key_cache=key_cache, value_cache=value_cache,
+                      block_table=block_table, seq_lens=seq_lens,
+                      query_start_loc=query_start_loc)  # fmt: skip
     num_seqs = seq_lens.shape[0]
     if block_table.shape[0] != num_seqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences")

@@ -99,3 +99,16 @@ def test_kernel_api_imports_and_runs_without_triton():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "4.0"
+
+
+def test_paged_attention_rejects_tensors_on_another_device():
+    args = attention_args()
+    with pytest.raises(ValueError, match="block_table is on meta"):
+        paged_attention_ref(**(args | {"block_table": args["block_table"].to("meta")}))
+
+
+def test_reshape_and_cache_rejects_tensors_on_another_device():
+    cache = torch.zeros(2, 16, 1, 8)
+    with pytest.raises(ValueError, match="slot_mapping is on meta"):
+        reshape_and_cache_ref(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), cache, cache,
+                              torch.tensor([1], device="meta"))  # fmt: skip
