@@ -32,27 +32,38 @@ def cluster(tmp_path_factory):
     import os
 
     from k8s_server import EmulatorThread
+    from kopf.testing import KopfRunner
 
     saved = {k: os.environ.get(k) for k in ("KUBECONFIG", *FAST_OPERATOR)}
+
+    def restore_environment():
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
     os.environ.update(FAST_OPERATOR)
     with EmulatorThread(tmp_path_factory.mktemp("cluster")) as server:
-        os.environ["KUBECONFIG"] = str(server.kubeconfig)
-        from kopf.testing import KopfRunner
-
         kubectl(server.kubeconfig, "apply", "--validate=false", "-f", str(ROOT / "crds"))
         args = ["run", "--standalone", "-A", "--liveness=", "-m", "epdserve.operator.main"]
+        os.environ["KUBECONFIG"] = str(server.kubeconfig)  # read by the operator as it starts
         try:
             with KopfRunner(args, timeout=60) as runner:
+                # Once kopf talks to the API it has logged in and run its startup handlers:
+                # later tests (other folders too) must not inherit this KUBECONFIG.
+                wait_for(lambda: _kopf_has_called(server.emulator), what="operator started")
+                restore_environment()
                 cluster = Cluster(server, runner)
                 yield cluster
                 cluster.api_client.close()
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environment()
         assert runner.exception is None, runner.output[-4000:]
+
+
+def _kopf_has_called(emulator) -> bool:
+    return any(r.headers.get("User-Agent", "").startswith("kopf") for r in list(emulator))
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ injected in the emulator while the real operator runs."""
 from __future__ import annotations
 
 from ipool_samples import pool_body
-from k8s_cluster import NS, REDIS, deployment, patch_pool, wait_for
+from k8s_cluster import NS, REDIS, condition, deployment, patch_pool, wait_for
 
 DEPLOYMENTS = "apps/v1/deployments"
 POOLS = "epdserve.io/v1alpha1/inferencepools"
@@ -58,3 +58,20 @@ def test_expired_watches_relist(cluster, make_pool):
         return deployment(cluster, "gone410-colocated").spec.template.spec.containers[0].image
 
     wait_for(lambda: image() == "img:410", what="change seen after 410")
+
+
+def test_a_rejected_object_degrades_the_pool_until_the_cluster_accepts_it(cluster, make_pool):
+    em = cluster.server
+    em.call(em.emulator.fail, "post", "v1/configmaps", 403, times=1)  # e.g. an admission policy
+    make_pool(pool_body("rejected"))
+    degraded = wait_for(
+        lambda: condition(cluster.pool(NS, "rejected"), "Degraded").get("reason") == "ApplyFailed",
+        what="Degraded/ApplyFailed",
+    )
+    assert degraded
+    # The resync loop keeps trying; once the object is accepted the pool recovers.
+    wait_for(lambda: deployment(cluster, "rejected-colocated"), what="created on a later pass")
+    wait_for(
+        lambda: condition(cluster.pool(NS, "rejected"), "Degraded").get("status") == "False",
+        what="Degraded cleared",
+    )

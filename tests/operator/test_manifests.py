@@ -25,11 +25,40 @@ def all_manifests(body: dict) -> list[dict]:
     return desired_objects(pool) + [build_redis_secret(pool, "pw")]
 
 
+def external_redis_pool() -> dict:
+    """Options the examples do not use: external Redis with a Secret, a LoadBalancer,
+    pull secrets, router placement, engine tuning, no KV events."""
+    return pool_body(
+        "ext",
+        roles={"prefill": {"replicas": 0}, "decode": {"args": ["--max-num-seqs", "4"]}},
+        cache={
+            "backend": "redis",
+            "redis": {"url": "redis://r.cache:6379/1", "passwordSecretRef": {"name": "rs"}},
+        },
+        engine={"image": "img:1", "imagePullSecrets": ["reg"], "kvCacheMemory": "4GiB"},
+        kvEvents={"enabled": False},
+        router={
+            "service": {"type": "LoadBalancer", "port": 8080},
+            "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}],
+            "resources": {"limits": {"cpu": 2}},
+        },
+    )
+
+
+VARIANTS = {
+    "colocated-text": lambda: example("colocated-text"),
+    "pd-redis": lambda: example("pd-redis"),
+    "epd-multimodal": lambda: example("epd-multimodal"),
+    "external-redis": external_redis_pool,
+}
+
+
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("name", ["colocated-text", "pd-redis", "epd-multimodal"])
+@pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_every_generated_manifest_is_valid_kubernetes(name, version):
-    body = example(name)
+    body = VARIANTS[name]()
     body["spec"]["roles"][next(iter(body["spec"]["roles"]))]["nodeSelector"] = {"a": "b"}
+    jsonschema.Draft7Validator(SCHEMA).validate(body)
     checked = 0
     for obj in all_manifests(body):
         if obj["apiVersion"].startswith("monitoring.coreos.com"):
