@@ -74,6 +74,8 @@ class Resyncer:
             only, self.dirty = (None if full else set(self.dirty)), set()
             if full:
                 next_full = loop.time() + self.interval
+            elif not only:
+                continue
             try:
                 await asyncio.to_thread(self.resync, only)
             except Exception:  # never let the loop die; the next pass retries
@@ -81,7 +83,7 @@ class Resyncer:
 
     def pools(self, only: set | None) -> list[dict]:
         """The pools to resync: the marked ones, or all in the watched namespaces."""
-        if only:
+        if only is not None:
             found = (self.kube.get(API_VERSION, KIND, ns, name) for ns, name in sorted(only))
             return [p for p in found if p]
         namespaces = watched_namespaces() or [None]
