@@ -123,6 +123,8 @@ class Scheduler:
                 break
             request = self.waiting[0]
             admitted = self._admit(request, budget)
+            if admitted is None and not self.running and self._unpin_waiting(request):
+                admitted = self._admit(request, budget)
             if admitted is None:
                 break
             self.waiting.popleft()
@@ -158,6 +160,15 @@ class Scheduler:
         if self.kv.allocate_slots(request, n, num_hit_tokens, hits) is None:
             return None
         return num_hit_tokens, n
+
+    def _unpin_waiting(self, head: Request) -> bool:
+        """Nothing runs and ``head`` does not fit: free the blocks other waiting requests got
+        from finished loads (they stay in the prefix cache, so re-admission finds them)."""
+        pinned = [r for r in self.waiting if r is not head and self.kv.has_blocks(r.request_id)]
+        for request in pinned:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        return bool(pinned)
 
     def _preempt(self, victim: Request, num_scheduled: dict, cached_reqs: list) -> None:
         if self.kv_transfer is None:

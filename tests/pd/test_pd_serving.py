@@ -15,6 +15,7 @@ def test_decode_pod_answers_like_a_colocated_pod_and_loads_every_full_block(
 ):
     pods = request.getfixturevalue(backend)
     hits0 = pods.decode.metric("vllm:external_prefix_cache_hits_total")
+    failures0 = pods.decode.metric("epdserve:kv_load_failures_total")
     expected_hits = 0
     for prompt in prompts(seed=1 + BACKENDS.index(backend)):
         first, second = pods.run(greedy(prompt))
@@ -28,7 +29,18 @@ def test_decode_pod_answers_like_a_colocated_pod_and_loads_every_full_block(
         expected_hits += loadable_tokens(prompt)
     hits = pods.decode.metric("vllm:external_prefix_cache_hits_total") - hits0
     assert hits == expected_hits
-    assert pods.decode.metric("epdserve:kv_load_failures_total") == 0
+    assert pods.decode.metric("epdserve:kv_load_failures_total") == failures0
+
+
+def test_a_decode_pod_finds_a_stored_prompt_by_lookup_without_params(shared_pods, colocated):
+    prompt = prompts(seed=13, lengths=(66,))[0]
+    post(shared_pods.prefill, greedy(prompt, 1))  # a prefill pod saves whatever it computes
+    hits0 = shared_pods.decode.metric("vllm:external_prefix_cache_hits_total")
+    body = post(shared_pods.decode, greedy(prompt))
+    assert answer(body) == answer(post(colocated, greedy(prompt)))
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == loadable_tokens(prompt)
+    hits = shared_pods.decode.metric("vllm:external_prefix_cache_hits_total") - hits0
+    assert hits == loadable_tokens(prompt)
 
 
 def test_streaming_from_the_decode_pod_matches_the_colocated_answer(redis_pods, colocated):

@@ -112,11 +112,11 @@ def pod(tmp_path):
     p.close()
 
 
-def make_request(req_id, n_tokens, max_tokens=4, params=None):
+def make_request(req_id, n_tokens, max_tokens=4, params=None, first=10):
     fn = get_hash_fn("sha256_cbor")
     return Request(
         req_id,
-        list(range(10, 10 + n_tokens)),
+        list(range(first, first + n_tokens)),
         SamplingParams(max_tokens=max_tokens),
         2,
         BlockHasher(BS, fn, none_hash(fn, "s")),
@@ -217,3 +217,20 @@ def test_blocks_already_in_the_store_are_not_saved_again(pod):
     pod.store.reads.set()
     out, _ = pod.step_until(lambda o, _: o.num_scheduled_tokens)
     assert out.kv_connector_metadata.saves == [BlockTransfer("a", [3], req.block_hashes[2:3])]
+
+
+def test_loaded_blocks_of_a_waiting_request_yield_when_nothing_else_can_run(pod):
+    a, b = make_request("a", 30), make_request("b", 30, first=500)
+    store_blocks(pod, a, range(7))
+    store_blocks(pod, b, range(7))
+    pod.sched.add_request(a)
+    pod.sched.add_request(b)
+    finished = []
+    # 15 usable blocks: a (9 blocks once it has generated) cannot run while b keeps the 7
+    # blocks its load filled, and nothing else is running to free any
+    pod.step_until(
+        lambda _, outs: finished.extend(o for o in outs if o.finish_reason) or len(finished) == 2
+    )
+    assert pod.kv.num_free_blocks() == NUM_BLOCKS - 1
+    assert pod.transfer.load_failures == 0
+    pod.kv.pool.check_integrity()
