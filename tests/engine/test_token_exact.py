@@ -43,7 +43,10 @@ def test_greedy_outputs_match_transformers_in_every_regime(models, hf_reference,
 
 
 @pytest.mark.xfail(
-    reason="bf16 decode attention layout differs from HF's SDPA rounding; under repair",
+    reason="measured 15/20: transformers' own bf16 agrees with its fp32 on only 14/20 of these "
+    "prompts; the rest differ by 1-ulp bf16 rounding in batched (padded, masked) decode "
+    "attention and fp32-fused norm/rope. Per-sequence unpadded SDPA reaches 20/20 but costs "
+    "~7x in decode attention, so it is not the default",
     strict=False,
 )
 def test_bf16_first_tokens_agree_on_at_least_95_percent_of_prompts(models, hf_reference):
