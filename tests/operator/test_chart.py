@@ -124,3 +124,10 @@ def test_dashboard_has_panels_on_vllm_metrics():
         assert metric in exprs, metric
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_values_schema_rejects_bad_values():
+    with pytest.raises(helm.HelmError):
+        render({"resyncSeconds": 0})
+    with pytest.raises(helm.HelmError):
+        render({"watchNamespaces": "team-a"})  # a list is required

@@ -143,3 +143,10 @@ def test_deleting_the_pool_deletes_its_children(cluster, make_pool):
     cluster.custom.delete_namespaced_custom_object(*GVP, NS, "inferencepools", "gone")
     wait_for(lambda: cluster.pool(NS, "gone") is None, what="pool gone")
     wait_for(lambda: cluster.children(NS, "gone") == {}, what="children gone")
+
+
+def test_the_periodic_resync_repairs_a_service_deleted_by_hand(cluster, make_pool):
+    make_pool(pool_body("svc"))
+    old = wait_for(lambda: cluster.core.read_namespaced_service("svc", NS).metadata.uid)
+    cluster.core.delete_namespaced_service("svc", NS)  # no event wakes the operator for this
+    wait_for(lambda: cluster.core.read_namespaced_service("svc", NS).metadata.uid != old)
