@@ -23,7 +23,9 @@ def scratch(purpose: str, shape: tuple[int, ...], dtype: torch.dtype, device) ->
     numel = 1
     for n in shape:
         numel *= n
-    key = (purpose, torch.device(device), dtype)
+    # inference-mode tensors cannot be written outside inference mode (and vice versa is
+    # wasteful), so each mode keeps its own buffers
+    key = (purpose, torch.device(device), dtype, torch.is_inference_mode_enabled())
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
