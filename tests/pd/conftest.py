@@ -5,8 +5,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))  # serving_support
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))  # conftest_helpers
 
 import pytest  # noqa: E402
+from conftest_helpers import hf_reference  # noqa: E402,F401
 from pd_support import PDPods, ServerProcess  # noqa: E402
 
 
