@@ -74,6 +74,7 @@ E2E_BUCKETS = [
     1920.0,
     7680.0,
 ]
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
 
 
@@ -135,6 +136,10 @@ class EngineMetrics:
             "epdserve:kv_load_failures",
             "KV blocks a connector failed to load (recomputed instead).",
         )
+        by_source = c(
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ["source"]
+        )
+        self.by_source = {s: by_source.labels(**self.labels, source=s) for s in PROMPT_SOURCES}
         self._last = SchedulerStats()
 
     def on_stats(self, stats: SchedulerStats) -> None:
@@ -149,6 +154,10 @@ class EngineMetrics:
         self.ext_queries.inc(max(0, stats.external_queries - last.external_queries))
         self.ext_hits.inc(max(0, stats.external_hits - last.external_hits))
         self.kv_load_failures.inc(max(0, stats.kv_load_failures - last.kv_load_failures))
+        now = stats.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
+        then = last.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
+        for source, a, b in zip(PROMPT_SOURCES, now, then, strict=True):
+            self.by_source[source].inc(max(0, a - b))
         self._last = stats
 
     def on_request_added(self, num_prompt_tokens: int, params) -> None:

@@ -114,6 +114,7 @@ class CoreLoop:
             kv.prefix_hits,
             s.num_preemptions,
             self.core.step_count,
+            prompt_tokens_by_source=list(s.prompt_sources),
         )
         if s.kv_transfer is not None:
             stats.external_queries = s.kv_transfer.queries

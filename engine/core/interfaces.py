@@ -77,6 +77,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     external_queries: int = 0  # tokens looked up in a KV connector's store
     external_hits: int = 0  # tokens loaded from it
     kv_load_failures: int = 0  # blocks a load could not fill (recomputed instead)
+    prompt_tokens_by_source: list[int] = []  # computed here, local cache hit, loaded
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

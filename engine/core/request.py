@@ -48,6 +48,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
+        self.num_external_computed_tokens = 0  # of those, loaded by a KV connector
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -45,6 +45,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
+        self.prompt_sources = [0, 0, 0]  # prompt tokens: computed, local cache hit, loaded
 
     # --- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -134,8 +135,12 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first admission: where its prompt comes from
                 request.num_cached_tokens = num_hit_tokens
+                external = request.num_external_computed_tokens
+                self.prompt_sources[0] += request.num_prompt_tokens - num_hit_tokens
+                self.prompt_sources[1] += num_hit_tokens - external
+                self.prompt_sources[2] += external
             new_reqs.append(request)
             num_scheduled[request.request_id] = n
             budget -= n

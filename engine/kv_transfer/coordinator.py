@@ -96,6 +96,7 @@ class KVTransferCoordinator:
         block_ids = self.kv.get_block_ids(req_id)[first : first + n_ext // bs]
         valid = next((i for i, b in enumerate(block_ids) if b in invalid), len(block_ids))
         request.num_computed_tokens += valid * bs
+        request.num_external_computed_tokens = valid * bs
         self.kv.cache_blocks(request, request.num_computed_tokens)
         self.hits += valid * bs
         self.load_failures += len(block_ids) - valid

@@ -56,6 +56,15 @@ def _pod(model: str, role: str, config: str) -> ServerProcess:
     )
 
 
+def source_tokens(server: ServerProcess, source: str) -> float:
+    """``vllm:prompt_tokens_by_source_total{source=...}`` of a pod."""
+    body = httpx.get(server.url + "/metrics", timeout=5).text
+    for line in body.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{") and f'source="{source}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no prompt-token source {source!r} exported")
+
+
 def post(server: ServerProcess, body: dict) -> dict:
     resp = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text

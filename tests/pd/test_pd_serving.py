@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from pd_support import answer, greedy, loadable_tokens, post, prompts
+from pd_support import answer, greedy, loadable_tokens, post, prompts, source_tokens
 
 BACKENDS = ("redis_pods", "shared_pods")
 
@@ -16,7 +16,9 @@ def test_decode_pod_answers_like_a_colocated_pod_and_loads_every_full_block(
     pods = request.getfixturevalue(backend)
     hits0 = pods.decode.metric("vllm:external_prefix_cache_hits_total")
     failures0 = pods.decode.metric("epdserve:kv_load_failures_total")
-    expected_hits = 0
+    computed0 = source_tokens(pods.decode, "local_compute")
+    external0 = source_tokens(pods.decode, "external_kv_transfer")
+    expected_hits = expected_computed = 0
     for prompt in prompts(seed=1 + BACKENDS.index(backend)):
         first, second = pods.run(greedy(prompt))
         assert answer(second) == answer(post(colocated, greedy(prompt)))
@@ -27,8 +29,12 @@ def test_decode_pod_answers_like_a_colocated_pod_and_loads_every_full_block(
         # the loaded blocks count as computed: no prefill compute for them on the decode pod
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == loadable_tokens(prompt)
         expected_hits += loadable_tokens(prompt)
+        expected_computed += len(prompt) - loadable_tokens(prompt)
     hits = pods.decode.metric("vllm:external_prefix_cache_hits_total") - hits0
     assert hits == expected_hits
+    # vLLM's prompt-token sources: the decode pod computed only the tail after the last block
+    assert source_tokens(pods.decode, "local_compute") - computed0 == expected_computed
+    assert source_tokens(pods.decode, "external_kv_transfer") - external0 == expected_hits
     assert pods.decode.metric("epdserve:kv_load_failures_total") == failures0
 
 
