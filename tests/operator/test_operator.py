@@ -37,6 +37,13 @@ def test_create_makes_every_child_with_an_owner_reference(cluster, make_pool):
     status = wait_for(lambda: (cluster.pool(NS, "llama-pd").get("status") or {}).get("phase"))
     assert status == "Progressing"
 
+    def no_monitor_warnings():  # no prometheus-operator CRDs here: skipped, with a warning
+        events = cluster.core.list_namespaced_event(NS).items
+        return [e for e in events if e.reason == "NoServiceMonitor"]
+
+    (warning,) = wait_for(no_monitor_warnings, what="NoServiceMonitor event")
+    assert warning.type == "Warning" and warning.involved_object.name == "llama-pd"
+
 
 def test_scaling_a_role_patches_its_deployment(cluster, make_pool):
     make_pool(pool_body("scale", roles={"prefill": {}, "decode": {}}, cache=REDIS))
