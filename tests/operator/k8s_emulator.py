@@ -25,6 +25,7 @@ import yaml
 from k8s_patch import PatchError, json_patch, match_fields, match_labels, merge_patch
 from k8s_patch import server_side_apply as ssa
 from k8s_store import ObjectStore, api_error, resource_key, status_body
+from k8s_tables import as_table, printer_columns, wants_table
 from kmock._internal import parsing as kmock_parsing
 
 NAMESPACES = "/v1/namespaces"
@@ -131,6 +132,9 @@ class ApiEmulator(ObjectStore, kmock.KubernetesEmulator):
             for key, obj in sorted(self.store.items(), key=lambda kv: (kv[0][1] or "", kv[0][2]))
             if self._matches(request, res, namespace, key, obj)
         ]
+        columns = printer_columns(self.store, res) if wants_table(request.headers) else None
+        if columns:
+            return as_table(columns, items, str(self.revision))
         kind = (self._info(res).kind or "") + "List"
         group, version, _ = res.split("/")
         api_version = f"{group}/{version}" if group else version
@@ -180,6 +184,9 @@ class ApiEmulator(ObjectStore, kmock.KubernetesEmulator):
         obj = self.store.get((res, namespace, request.name))
         if obj is None:
             raise api_error(404, "NotFound", f"{res} {request.name!r} not found")
+        columns = printer_columns(self.store, res) if wants_table(request.headers) else None
+        if columns:
+            return as_table(columns, [obj], obj["metadata"]["resourceVersion"])
         return copy.deepcopy(obj)
 
     async def _serve_create(self, request):

@@ -34,5 +34,8 @@ def test_kubectl_apply_wait_and_delete(cluster):
     )
     endpoint = kubectl(cfg, "get", "ipool", "qwen-small", "-o", "jsonpath={.status.endpoint}")
     assert endpoint == "http://qwen-small.default.svc:80"
+    header, row = kubectl(cfg, "get", "ipool", "qwen-small").splitlines()  # printer columns
+    assert header.split() == ["NAME", "PHASE", "READY", "ENDPOINT", "AGE"]
+    assert row.split()[:4] == ["qwen-small", "Ready", "3/3", endpoint]
     kubectl(cfg, "delete", "-f", example, "--timeout=30s")
     wait_for(lambda: not cluster.children(NS, "qwen-small"), what="children gone")
