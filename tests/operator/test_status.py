@@ -58,3 +58,12 @@ def test_server_defaults_are_not_drift_but_hand_edits_are():
     live["spec"]["a"][0]["x"] = 1
     live["metadata"]["annotations"]["epdserve.io/desired-hash"] = "old"
     assert drifted(live, want)
+
+
+def test_api_paths_and_error_classes():
+    from epdserve.operator.kube import ApiError, object_path
+
+    assert object_path("v1", "Service", "ns", "a") == "/api/v1/namespaces/ns/services/a"
+    assert object_path("apps/v1", "Deployment", "ns") == "/apis/apps/v1/namespaces/ns/deployments"
+    assert all(ApiError(code, "").transient for code in (0, 409, 429, 500, 503))
+    assert not any(ApiError(code, "").transient for code in (400, 403, 404, 422))
