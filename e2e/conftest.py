@@ -1,0 +1,102 @@
+"""Fixtures for the e2e tests: a one-node local cluster (harness/) with the operator running.
+
+Needs root for network namespaces; without it every e2e test skips with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE / "harness"), str(HERE), str(ROOT / "tests" / "operator")]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+from pools_e2e import MODEL_PATH  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+def readable_copy(src: Path, dst: Path) -> Path:
+    """Copy a checkpoint with world-readable modes (pods run as a non-root uid)."""
+    shutil.copytree(src, dst)
+    for path in [dst, *dst.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return dst
+
+
+def runtime_mounts() -> list[dict]:
+    """Make the venv's interpreter reachable for a non-root uid: if an ancestor of the base
+    Python (e.g. /root, mode 0700) blocks others, the image gets a world-traversable tmpfs
+    there with the one needed subtree bound back in (what a real image would simply have)."""
+    base = Path(os.path.realpath(sys.base_prefix))
+    for parent in reversed(base.parents):
+        if parent != Path("/") and not parent.stat().st_mode & stat.S_IXOTH:
+            child = Path(*base.parts[: len(parent.parts) + 1])
+            return [
+                {"path": str(parent), "source": None},
+                {"path": str(child), "source": str(child)},
+            ]
+    return []
+
+
+@pytest.fixture(scope="session")
+def e2e_workdir(tmp_path_factory) -> Path:
+    from netns import can_make_namespaces
+
+    reason = can_make_namespaces()
+    if reason:
+        pytest.skip(reason)
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(e2e_workdir) -> dict[str, Path]:
+    """Tiny checkpoints, world-readable: {"llama": dir}."""
+    from epdserve.engine.make_model import make_model
+
+    built = make_model("llama", e2e_workdir / "build" / "tiny-llama", seed=0)
+    return {"llama": readable_copy(Path(built), e2e_workdir / "image" / "tiny-llama")}
+
+
+@pytest.fixture(scope="session")
+def cluster(e2e_workdir, tiny_models):
+    """The local cluster with the CRD applied (as the Helm chart does) and the operator up."""
+    from cluster import LocalCluster
+    from kubelet import NodeConfig
+
+    claims = e2e_workdir / "pv" / "model-weights"
+    claims.mkdir(parents=True)
+    readable_copy(tiny_models["llama"], claims / "llama-3.1-8b-instruct")
+    claims.chmod(0o755)
+    node = NodeConfig(
+        image_env={
+            "PATH": f"{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",  # stands in for a CPU limit on this small machine
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "LANG": "C.UTF-8",
+        },
+        image_files=[
+            *runtime_mounts(),
+            {"path": MODEL_PATH, "source": str(tiny_models["llama"])},
+        ],
+        claims={"model-weights": claims},
+    )
+    operator_env = {
+        "EPDSERVE_OPERATOR_RESYNC_SECONDS": "2",
+        "EPDSERVE_OPERATOR_RETRY_SECONDS": "0.5",
+    }
+    with LocalCluster(e2e_workdir / "cluster", node, operator_env) as local:
+        local.kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))
+        local.start_operator()
+        yield local
+    leaks = local.leaks()
+    assert not leaks, f"left running after the e2e run: {leaks}"

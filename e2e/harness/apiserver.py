@@ -1,0 +1,71 @@
+"""The operator tests' API emulator with what kubectl's watches need on top.
+
+kubectl (client-go) refuses a watch stream without a JSON content type ("no stream
+serializers registered for application/octet-stream"); kmock streams default to
+octet-stream, so watch answers here say `application/json`. And kubectl 1.37 lists through
+a watch (`sendInitialEvents=true`, the WatchList feature): the current objects as ADDED, then
+a BOOKMARK annotated `k8s.io/initial-events-end`, then changes; served here as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import kmock
+from k8s_emulator import ApiEmulator
+from k8s_server import EmulatorThread
+
+
+class WatchableEmulator(ApiEmulator):
+    def _serve_watch(self, request):
+        if request.params.get("sendInitialEvents") == "true":
+            stream = self._watch_list(request)
+        else:
+            stream = ApiEmulator._serve_watch(self, request)
+        return kmock.Response(headers={"Content-Type": "application/json"}, payload=stream)
+
+    async def _watch_list(self, request):
+        res, namespace = self._resolve(request)
+        yield b""
+        revision, position = self.revision, len(self.history)
+        for key, obj in list(self.store.items()):
+            if self._matches(request, res, namespace, key, obj):
+                yield {"type": "ADDED", "object": copy.deepcopy(obj)}
+        group, version, _ = res.split("/")
+        marker = {
+            "kind": self._info(res).kind,
+            "apiVersion": f"{group}/{version}" if group else version,
+            "metadata": {
+                "resourceVersion": str(revision),
+                "annotations": {"k8s.io/initial-events-end": "true"},
+            },
+        }
+        yield {"type": "BOOKMARK", "object": marker}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + float(request.params.get("timeoutSeconds") or 3600)
+        epoch, waiter = self._epoch, asyncio.Event()
+        self._waiters.add(waiter)
+        try:
+            while epoch == self._epoch and loop.time() < deadline:
+                while position < len(self.history):
+                    _, key, etype, obj = self.history[position]
+                    position += 1
+                    where = (key, obj["metadata"].get("namespace"), obj["metadata"]["name"])
+                    if self._matches(request, res, namespace, where, obj):
+                        yield {"type": etype, "object": obj}
+                waiter.clear()
+                try:
+                    await asyncio.wait_for(waiter.wait(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    return
+        finally:
+            self._waiters.discard(waiter)
+
+
+class ApiServer(EmulatorThread):
+    """EmulatorThread serving a WatchableEmulator."""
+
+    def __init__(self, workdir, port: int | None = None):
+        super().__init__(workdir, port)
+        self.emulator = WatchableEmulator()

@@ -1,0 +1,113 @@
+"""A userspace service proxy (what kube-proxy's old `userspace` mode did).
+
+Each ClusterIP Service port gets a listener on `cluster IP:port` (the IP lives on the pod
+bridge); every accepted connection is piped to one of the Service's ready endpoints, round
+robin. A listener with no ready endpoint closes new connections at once, as a cluster
+answers a Service without endpoints. The `kubernetes` Service is served the same way but
+terminates TLS in front of the plain-HTTP API emulator, so pods use in-cluster config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import ssl
+import threading
+
+
+class ServiceProxy:
+    """Listeners keyed by (ip, port); backends replaced as EndpointSlices change."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._servers: dict[tuple[str, int], asyncio.AbstractServer] = {}
+        self._backends: dict[tuple[str, int], list[tuple[str, int]]] = {}
+        self._turn = itertools.count()
+        self._conns: set[asyncio.Task] = set()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="svc-proxy", daemon=True)
+        self._thread.start()
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(15)
+
+    def set_backends(self, ip: str, port: int, backends, tls: ssl.SSLContext | None = None):
+        """Serve ip:port, forwarding to `backends` [(ip, port), ...] from now on."""
+        self._backends[ip, port] = list(backends)
+        if (ip, port) not in self._servers:
+            self._call(self._listen(ip, port, tls))
+
+    def remove(self, ip: str, port: int) -> None:
+        """Stop serving ip:port."""
+        self._backends.pop((ip, port), None)
+        server = self._servers.pop((ip, port), None)
+        if server is not None:
+            self._call(_close_server(server))
+
+    def ports(self) -> set[tuple[str, int]]:
+        return set(self._servers)
+
+    async def _listen(self, ip: str, port: int, tls) -> None:
+        async def handle(reader, writer):
+            task = asyncio.current_task()
+            self._conns.add(task)
+            try:
+                await self._forward(ip, port, reader, writer)
+            finally:
+                self._conns.discard(task)
+
+        self._servers[ip, port] = await asyncio.start_server(
+            handle, ip, port, ssl=tls, reuse_address=True
+        )
+
+    async def _forward(self, ip: str, port: int, reader, writer) -> None:
+        backends = self._backends.get((ip, port)) or []
+        upstream = None
+        for _ in range(len(backends)):
+            host, bport = backends[next(self._turn) % len(backends)]
+            try:
+                upstream = await asyncio.wait_for(asyncio.open_connection(host, bport), 5)
+                break
+            except (OSError, TimeoutError):
+                continue
+        if upstream is None:
+            writer.close()
+            return
+        up_reader, up_writer = upstream
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+    def close(self) -> None:
+        """Close every listener and connection, then stop the loop's thread."""
+        for key in list(self._servers):
+            self.remove(*key)
+
+        async def cancel_all():
+            for task in list(self._conns):
+                task.cancel()
+
+        self._call(cancel_all())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (OSError, asyncio.IncompleteReadError, ssl.SSLError):
+        pass
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            writer.close()
+
+
+async def _close_server(server: asyncio.AbstractServer) -> None:
+    server.close()
+
+
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server-side TLS context for the `kubernetes` Service."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    return ctx

@@ -1,0 +1,46 @@
+"""The examples/ pools, adapted to this machine (tiny fp32 model, no GPUs), and helpers."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+NS = "default"
+MODEL_PATH = "/models/tiny-llama"  # where the engine "image" carries the tiny model
+SMALL_ENGINE = {"dtype": "float32", "maxModelLen": 512, "kvCacheMemory": 16 << 20}
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+
+
+def for_this_machine(pool: dict, model_path: str | None = None, replicas: dict | None = None):
+    """Drop GPU resources and scheduling constraints, shrink the engine, set replicas, and
+    (optionally) point the model at a path the engine image carries."""
+    pool = copy.deepcopy(pool)
+    spec = pool["spec"]
+    if model_path:
+        spec["model"]["source"] = {"path": model_path}
+    spec["engine"].update(SMALL_ENGINE)
+    for role_name, role in spec["roles"].items():
+        for key in ("resources", "nodeSelector", "tolerations"):
+            role.pop(key, None)
+        if replicas and role_name in replicas:
+            role["replicas"] = replicas[role_name]
+    if replicas and "router" in replicas:
+        spec.setdefault("router", {})["replicas"] = replicas["router"]
+    return pool
+
+
+def write(tmp_path: Path, pool: dict) -> str:
+    path = tmp_path / f"{pool['metadata']['name']}.yaml"
+    path.write_text(yaml.safe_dump(pool))
+    return str(path)
+
+
+def condition(pool: dict | None, ctype: str) -> dict:
+    conditions = ((pool or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == ctype), {})
