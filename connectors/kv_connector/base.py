@@ -73,10 +73,10 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` (whole blocks) the connector can load, and
-        whether the load is asynchronous. Never the prompt's last token. Mutates only the
-        connector's own bookkeeping."""
+        whether the load is asynchronous; ``None`` while a lookup is still in flight (ask again
+        next step). Never the prompt's last token. Mutates only the connector's bookkeeping."""
 
     @abstractmethod
     def update_state_after_alloc(

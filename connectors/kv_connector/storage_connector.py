@@ -9,7 +9,7 @@ saves whole cross-layer blocks on two background threads (so saves never delay a
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +33,8 @@ from epdserve.connectors.storage import (
 )
 
 logger = logging.getLogger(__name__)
+
+LOOKUP_WAIT_S = 0.005  # a healthy store answers within this; a slower one is asked again later
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,10 @@ class StorageConnector(KVConnectorBase):
         self._warned_seed = False
         # scheduler side
         self._known_prefix: dict[str, int] = {}  # req -> leading blocks the store holds
+        self._lookups: dict[str, Future] = {}  # req -> store lookup in flight
+        self._lookup_pool = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="epd-kv-lookup")
         self._saved_upto: dict[str, int] = {}  # req -> blocks saved (or skipped) so far
         self._has_saves: set[str] = set()
         self._queued_loads: list[BlockTransfer] = []
@@ -94,26 +100,37 @@ class StorageConnector(KVConnectorBase):
     # --- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        bs = self.layout.block_size
-        rid = request.request_id
-        if rid not in self._known_prefix:
-            self._known_prefix[rid] = self._lookup(request)
+    ) -> tuple[int | None, bool]:
+        known = self._known(request)
+        if known is None:
+            return None, False
         if not self.config.is_consumer:
             return 0, False
-        n = max(0, self._known_prefix[rid] * bs - num_computed_tokens)
+        n = max(0, known * self.layout.block_size - num_computed_tokens)
         return n, n > 0
 
-    def _lookup(self, request: KVRequest) -> int:
-        """Leading blocks in the store, prompt's last token excluded (it must be computed)."""
-        max_blocks = min(
-            len(request.block_hashes), (request.num_tokens - 1) // self.layout.block_size
-        )
-        hashes = request.block_hashes[:max_blocks]
-        trusted = self._handed_over(request, hashes)
-        if trusted is not None:
-            return trusted
-        return self.kv_io.count_cached_prefix(hashes) if hashes else 0
+    def _known(self, request: KVRequest) -> int | None:
+        """Leading blocks in the store (prompt's last token excluded: it must be computed);
+        None while the store has not answered, so a slow store never stalls the engine."""
+        rid = request.request_id
+        if rid in self._known_prefix:
+            return self._known_prefix[rid]
+        job = self._lookups.get(rid)
+        if job is None:
+            hashes = request.block_hashes[: (request.num_tokens - 1) // self.layout.block_size]
+            trusted = self._handed_over(request, hashes)
+            if trusted is not None or not hashes:
+                self._known_prefix[rid] = trusted or 0
+                return self._known_prefix[rid]
+            job = self._lookup_pool.submit(self.kv_io.count_cached_prefix, hashes)
+            self._lookups[rid] = job
+        try:
+            found = job.result(timeout=LOOKUP_WAIT_S)
+        except TimeoutError:
+            return None
+        self._known_prefix[rid] = found
+        del self._lookups[rid]
+        return found
 
     def _handed_over(self, request: KVRequest, hashes: list[bytes]) -> int | None:
         """Blocks a prefill pod says it saved for this prompt (when its hashes agree with
@@ -178,6 +195,7 @@ class StorageConnector(KVConnectorBase):
         self._has_saves.discard(rid)
         self._saved_upto.pop(rid, None)
         self._known_prefix.pop(rid, None)
+        self._lookups.pop(rid, None)
         wants = (request.kv_transfer_params or {}).get("do_remote_decode")
         if not (self.config.is_producer and wants):
             return delay_free, None
@@ -235,6 +253,8 @@ class StorageConnector(KVConnectorBase):
         return invalid
 
     def close(self) -> None:
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=True, cancel_futures=True)
         for worker in (self._loader, self._writer):
             if worker is not None:
                 worker.close(close_store=False)

@@ -21,6 +21,7 @@ from epdserve.engine.core.interfaces import (
 )
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.request import Request, RequestStatus
+from epdserve.engine.kv_transfer.coordinator import LoadStart
 
 if TYPE_CHECKING:
     from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
@@ -119,17 +120,21 @@ class Scheduler:
             budget -= n
             i += 1
 
+        skipped: list[Request] = []  # their store lookups are still in flight
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
             admitted = self._admit(request, budget)
-            if admitted is None and not self.running and self._unpin_waiting(request):
+            if admitted is LoadStart.NO_ROOM and self._unpin(request):
                 admitted = self._admit(request, budget)
-            if admitted is None:
+            if admitted is LoadStart.NO_ROOM:
                 break
             self.waiting.popleft()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if admitted is LoadStart.PENDING:
+                skipped.append(request)
+                continue
+            if admitted is LoadStart.STARTED:
                 continue  # its prefix is loading; it comes back when the load is done
             num_hit_tokens, n = admitted
             self.running.append(request)
@@ -145,35 +150,32 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             budget -= n
 
+        self.waiting.extendleft(reversed(skipped))
         return self._build_output(new_reqs, cached_reqs, new_block_ids, num_scheduled)
 
-    def _admit(self, request: Request, budget: int) -> tuple[int, int] | None:
-        """Allocate a waiting request's blocks: ``(computed tokens, tokens to schedule)``,
-        or None if they do not fit. A connector may instead start loading its prefix."""
+    def _admit(self, request: Request, budget: int) -> tuple[int, int] | LoadStart:
+        """Allocate a waiting request's blocks: ``(computed tokens, tokens to schedule)``, or
+        why not (no room; its prefix is loading; its lookup is pending)."""
         if self.kv.has_blocks(request.request_id):  # a finished load left its blocks
             num_hit_tokens = request.num_computed_tokens
             n = min(request.num_tokens - num_hit_tokens, budget)
-            return None if self.kv.allocate_slots(request, n) is None else (num_hit_tokens, n)
+            if self.kv.allocate_slots(request, n) is None:
+                return LoadStart.NO_ROOM
+            return num_hit_tokens, n
         hits, num_hit_tokens = self.kv.get_computed_blocks(request)
         if self.kv_transfer is not None:
             started = self.kv_transfer.start_load(request, hits, num_hit_tokens)
-            if started is None:
-                return None
-            if started:
-                return request.num_computed_tokens, 0
+            if started is not LoadStart.NOTHING:
+                return started
         n = min(request.num_tokens - num_hit_tokens, budget)
         if self.kv.allocate_slots(request, n, num_hit_tokens, hits) is None:
-            return None
+            return LoadStart.NO_ROOM
         return num_hit_tokens, n
 
-    def _unpin_waiting(self, head: Request) -> bool:
-        """Nothing runs and ``head`` does not fit: free the blocks other waiting requests got
-        from finished loads (they stay in the prefix cache, so re-admission finds them)."""
-        pinned = [r for r in self.waiting if r is not head and self.kv.has_blocks(r.request_id)]
-        for request in pinned:
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-        return bool(pinned)
+    def _unpin(self, head: Request) -> bool:
+        """Deadlock guard: nothing runs, so free blocks parked by finished loads."""
+        transfer = self.kv_transfer
+        return transfer is not None and not self.running and transfer.unpin(self.waiting, head)
 
     def _preempt(self, victim: Request, num_scheduled: dict, cached_reqs: list) -> None:
         if self.kv_transfer is None:

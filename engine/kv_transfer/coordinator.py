@@ -15,6 +15,8 @@ finds every block the response names.
 
 from __future__ import annotations
 
+import enum
+
 from epdserve.connectors.kv_connector import (
     KVConnectorBase,
     KVConnectorMetadata,
@@ -25,6 +27,15 @@ from epdserve.engine.core.block_pool import KVCacheBlock
 from epdserve.engine.core.interfaces import EngineCoreOutput
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.request import Request, RequestStatus
+
+
+class LoadStart(enum.Enum):
+    """What admitting a waiting request did about its external prefix."""
+
+    NOTHING = 0  # nothing to load: schedule it as usual
+    STARTED = 1  # its blocks are allocated and loading: it waits (WAITING_FOR_REMOTE_KVS)
+    NO_ROOM = 2  # not enough free blocks for what it would load
+    PENDING = 3  # the store has not answered the lookup yet: try again next step
 
 
 class KVTransferCoordinator:
@@ -44,17 +55,19 @@ class KVTransferCoordinator:
         return bool(self.loading or self.held_blocks or self.held_outputs)
 
     # --- admission ----------------------------------------------------------------------
-    def start_load(self, request: Request, hits: list[KVCacheBlock], num_local: int) -> bool | None:
-        """Start loading the request's external prefix: True (it now waits for the load),
-        False (nothing to load: schedule it as usual), None (no room for its blocks)."""
+    def start_load(self, request: Request, hits: list[KVCacheBlock], num_local: int) -> LoadStart:
+        """Ask the connector about the request's prefix beyond its ``num_local`` cached tokens
+        and start loading it into newly allocated blocks if there is one."""
         if request.skip_prefix_cache:
-            return False
+            return LoadStart.NOTHING
         n_ext, _ = self.connector.get_num_new_matched_tokens(request, num_local)
+        if n_ext is None:
+            return LoadStart.PENDING
         if n_ext <= 0:
             self.queries += request.num_tokens if self.can_load else 0
-            return False
+            return LoadStart.NOTHING
         if self.kv.allocate_slots(request, 0, num_local + n_ext, hits, delay_cache=True) is None:
-            return None
+            return LoadStart.NO_ROOM
         self.queries += request.num_tokens
         request.num_computed_tokens = num_local
         self.connector.update_state_after_alloc(
@@ -62,7 +75,16 @@ class KVTransferCoordinator:
         )
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = (request, n_ext)
-        return True
+        return LoadStart.STARTED
+
+    def unpin(self, waiting, head: Request) -> bool:
+        """Nothing runs and ``head`` does not fit: free the blocks other waiting requests got
+        from finished loads (they stay in the prefix cache, so re-admission finds them)."""
+        pinned = [r for r in waiting if r is not head and self.kv.has_blocks(r.request_id)]
+        for request in pinned:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        return bool(pinned)
 
     def build_meta(self, scheduled: list[ScheduledRequest]) -> KVConnectorMetadata:
         meta = self.connector.build_connector_meta(scheduled)

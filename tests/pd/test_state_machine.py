@@ -42,9 +42,9 @@ class GatedStore(BlockStore):
 
     def __init__(self, inner: BlockStore):
         self.inner, self.stats = inner, inner.stats
-        self.reads, self.writes = threading.Event(), threading.Event()
-        self.reads.set()
-        self.writes.set()
+        self.reads, self.writes, self.lookups = (threading.Event() for _ in range(3))
+        for gate in (self.reads, self.writes, self.lookups):
+            gate.set()
 
     def put_many(self, items):
         assert self.writes.wait(10)
@@ -55,6 +55,7 @@ class GatedStore(BlockStore):
         return self.inner.get_many(keys)
 
     def exists_many(self, keys):
+        assert self.lookups.wait(10)
         return self.inner.exists_many(keys)
 
     def delete_many(self, keys):
@@ -137,7 +138,7 @@ def test_a_request_waits_for_remote_kvs_then_computes_only_the_rest(pod):
     src = store_blocks(pod, req, [0, 1, 2])
     pod.store.reads.clear()
     pod.sched.add_request(req)
-    out, outputs = pod.step()
+    out, outputs = pod.step_until(lambda o, _: o.kv_connector_metadata.loads)
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert out.num_scheduled_tokens == {} and outputs == []
     assert out.kv_connector_metadata.loads == [BlockTransfer("a", [1, 2, 3], req.block_hashes[:3])]
@@ -173,7 +174,7 @@ def test_a_finished_request_keeps_its_blocks_and_answer_until_its_save_completes
         pod.store.writes.clear()
         req = make_request("a", 9, max_tokens=1, params={"do_remote_decode": True})
         pod.sched.add_request(req)
-        out, outputs = pod.step()
+        out, outputs = pod.step_until(lambda o, _: o.num_scheduled_tokens)
         assert out.kv_connector_metadata.saves == [BlockTransfer("a", [1, 2], req.block_hashes[:2])]
         assert outputs == [] and req.is_finished  # the answer waits for the save
         assert pod.kv.num_free_blocks() == NUM_BLOCKS - 1 - 3
@@ -199,7 +200,7 @@ def test_a_request_aborted_while_loading_frees_its_blocks_after_the_load(pod):
     store_blocks(pod, req, [0, 1, 2])
     pod.store.reads.clear()
     pod.sched.add_request(req)
-    pod.step()
+    pod.step_until(lambda o, _: o.kv_connector_metadata.loads)
     pod.sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert pod.kv.num_free_blocks() == NUM_BLOCKS - 1 - 3  # the load still writes into them
     assert pod.sched.has_unfinished_requests()
@@ -234,3 +235,20 @@ def test_loaded_blocks_of_a_waiting_request_yield_when_nothing_else_can_run(pod)
     assert pod.kv.num_free_blocks() == NUM_BLOCKS - 1
     assert pod.transfer.load_failures == 0
     pod.kv.pool.check_integrity()
+
+
+def test_a_slow_store_lookup_never_stalls_running_requests(pod):
+    running = make_request("r", 6, max_tokens=8, first=900)
+    pod.sched.add_request(running)
+    pod.step_until(lambda o, _: o.num_scheduled_tokens)
+    req = make_request("a", 14)
+    store_blocks(pod, req, [0, 1, 2])
+    pod.store.lookups.clear()  # the store stops answering lookups
+    pod.sched.add_request(req)
+    for _ in range(3):
+        out, _ = pod.step()
+        assert out.num_scheduled_tokens == {"r": 1}  # decoding goes on meanwhile
+        assert req.status == RequestStatus.WAITING and pod.sched.num_waiting() == 1
+    pod.store.lookups.set()
+    out, _ = pod.step_until(lambda o, _: "a" in o.num_scheduled_tokens)
+    assert out.num_scheduled_tokens["a"] == 2 and req.num_external_computed_tokens == 12
