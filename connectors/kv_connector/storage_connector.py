@@ -75,7 +75,7 @@ class StorageConnector(KVConnectorBase):
         self.store = store or create_store(config.storage_options())
         meta = KVBlockMeta(layout.fingerprint, layout.block_size, layout.hash_algo)
         self.kv_io = KVBlockIO(self.store, config.pool, meta)
-        self._warned_seed = False
+        self._warned = False
         # scheduler side
         self._known_prefix: dict[str, int] = {}  # req -> leading blocks the store holds
         self._lookups: dict[str, Future] = {}  # req -> store lookup in flight
@@ -133,24 +133,37 @@ class StorageConnector(KVConnectorBase):
         return found
 
     def _handed_over(self, request: KVRequest, hashes: list[bytes]) -> int | None:
-        """Blocks a prefill pod says it saved for this prompt (when its hashes agree with
-        ours); a load that then misses falls back to recomputing."""
+        """Blocks a prefill pod says it saved for this prompt, when its hashes, model and pool
+        agree with ours (None: look them up instead). A load that then misses is recomputed."""
         params = request.kv_transfer_params or {}
         remote = params.get("block_hashes")
         if not params.get("do_remote_prefill") or not remote or not hashes:
             return None
+        theirs = (params.get("fingerprint"), params.get("pool"))
+        if theirs[0] not in (None, self.layout.fingerprint) or theirs[1] not in (
+            None,
+            self.config.pool,
+        ):
+            self._warn_once(
+                f"kv_transfer_params name model {theirs[0]} in pool {theirs[1]}, not ours"
+            )
+            return None
         agree = 0
-        for mine, theirs in zip(hashes, remote, strict=False):
-            if mine.hex() != theirs:
+        for mine, their_hash in zip(hashes, remote, strict=False):
+            if mine.hex() != their_hash:
                 break
             agree += 1
-        if agree == 0 and not self._warned_seed:
-            self._warned_seed = True
-            logger.warning(
+        if agree == 0:
+            self._warn_once(
                 "kv_transfer_params.block_hashes disagree with this pod's: do all pods of the "
-                "pool share --hash-seed and --prefix-caching-hash-algo? Looking up instead"
+                "pool share --hash-seed and --prefix-caching-hash-algo?"
             )
         return agree or None
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("%s; looking the prompt up instead", message)
 
     def update_state_after_alloc(
         self, request: KVRequest, block_ids: list[int], num_external_tokens: int

@@ -252,3 +252,20 @@ def test_a_slow_store_lookup_never_stalls_running_requests(pod):
     pod.store.lookups.set()
     out, _ = pod.step_until(lambda o, _: "a" in o.num_scheduled_tokens)
     assert out.num_scheduled_tokens["a"] == 2 and req.num_external_computed_tokens == 12
+
+
+@pytest.mark.parametrize("fingerprint, failures", [(LAYOUT.fingerprint, 3), ("another-model", 0)])
+def test_handed_over_blocks_are_trusted_only_from_the_same_model(pod, fingerprint, failures):
+    probe = make_request("probe", 14)
+    params = {
+        "do_remote_prefill": True,
+        "block_hashes": [h.hex() for h in probe.block_hashes],
+        "fingerprint": fingerprint,
+        "pool": "default",
+    }
+    req = make_request("a", 14, params=params)  # nothing was stored after all
+    pod.sched.add_request(req)
+    out, _ = pod.step_until(lambda o, _: o.num_scheduled_tokens)
+    # trusted: the load is tried, fails, and everything is recomputed; else: a plain miss
+    assert out.num_scheduled_tokens == {"a": 14}
+    assert (pod.transfer.load_failures, pod.transfer.hits) == (failures, 0)
