@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--load-weight", type=float, default=1.0, help="prefix+load: weight of queue depth")
     a("--kv-weight", type=float, default=0.5, help="prefix+load: weight of free KV cache")
     a(
+        "--balance-threshold",
+        type=float,
+        default=4.0,
+        help="prefix+load: pods this many requests busier than the least busy go last",
+    )
+    a(
         "--speculative-ttl",
         type=float,
         default=2.0,
@@ -76,7 +82,10 @@ def build(args: argparse.Namespace):
     weights = {}
     if args.strategy == "prefix+load":
         weights = dict(
-            prefix_weight=args.prefix_weight, load_weight=args.load_weight, kv_weight=args.kv_weight
+            prefix_weight=args.prefix_weight,
+            load_weight=args.load_weight,
+            kv_weight=args.kv_weight,
+            balance_threshold=args.balance_threshold,
         )
     strategy = make_strategy(args.strategy, **weights)
     tokenizer = PromptTokenizer(args.model) if args.model else None

@@ -98,16 +98,23 @@ class Prefix(Strategy):
 
 
 class PrefixLoad(Strategy):
-    """Weighted score: prefix fraction against relative queue depth and KV usage
-    (the shape of llm-d's precise-prefix + load-aware + kv-utilization scorers)."""
+    """Weighted score: prefix fraction against relative queue depth and KV usage (the shape
+    of llm-d's precise-prefix + load-aware + kv-utilization scorers), with a balance guard
+    (as SGLang's cache-aware router): pods more than ``balance_threshold`` requests busier
+    than the least busy one are only tried after the others, so a hot prefix spills."""
 
     name = "prefix+load"
     uses_prefix = True
 
     def __init__(
-        self, prefix_weight: float = 2.0, load_weight: float = 1.0, kv_weight: float = 0.5
+        self,
+        prefix_weight: float = 2.0,
+        load_weight: float = 1.0,
+        kv_weight: float = 0.5,
+        balance_threshold: float = 4.0,
     ):
         self.weights = (prefix_weight, load_weight, kv_weight)
+        self.balance_threshold = balance_threshold
         self._tiebreak = _Tiebreak()
 
     def score(self, c: Candidate, max_load: float) -> float:
@@ -117,13 +124,19 @@ class PrefixLoad(Strategy):
         return wp * c.prefix_fraction + wl * load + wk * (1.0 - min(1.0, max(0.0, c.kv_usage)))
 
     def rank(self, candidates: list[Candidate]) -> list[Decision]:
+        if not candidates:
+            return []
         tie = self._tiebreak.key(candidates)
-        max_load = max((c.load for c in candidates), default=0.0)
+        max_load = max(c.load for c in candidates)
+        min_load = min(c.load for c in candidates)
         ordered = sorted(
             candidates,
             key=lambda c: (-self.score(c, max_load), c.load, c.cached_blocks, tie[c.name]),
         )
-        return [Decision(c.name, _reason(c)) for c in ordered]
+        within = [c for c in ordered if c.load - min_load <= self.balance_threshold]
+        spilled = within[0] is not ordered[0]
+        ordered = within + [c for c in ordered if c.load - min_load > self.balance_threshold]
+        return [Decision(c.name, "load_balance" if spilled else _reason(c)) for c in ordered]
 
 
 def _reason(c: Candidate) -> str:

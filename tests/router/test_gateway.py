@@ -74,6 +74,7 @@ def wait_ready(url: str, pods: int) -> None:
     raise AssertionError("router never became ready")
 
 
+@pytest.mark.slow  # the same check runs against real pods in test_serve_pods.py
 def test_prefix_routing_keeps_tenants_on_the_pod_holding_their_prefix(
     module_spawn, pods, model_dir
 ):
@@ -127,6 +128,7 @@ def test_models_and_chat_are_proxied(module_spawn, pods, model_dir):
         router.stop()
 
 
+@pytest.mark.slow  # the same check runs against real pods in test_serve_pods.py
 def test_a_killed_pod_is_dropped_and_requests_keep_succeeding(spawn, model_dir):
     pods = [spawn.standin(model_dir) for _ in range(3)]
     router = spawn.router(pods, "--model", str(model_dir), "--strategy", "round-robin")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -89,22 +90,45 @@ def test_prefix_routing_sends_shared_prefixes_to_the_pod_holding_them(
 
 
 def test_killing_a_pod_mid_run_loses_no_request(module_spawn, pods, model_dir):
+    """Requests in flight on the killed pod had no byte yet (non-streamed): the router
+    retries them elsewhere, so every client gets a 200."""
     router = module_spawn.router(pods, "--model", str(model_dir), "--strategy", "round-robin")
+    victim = pods[2]
+    victim_name = victim.url.removeprefix("http://")
+
+    def post(i: int) -> httpx.Response:
+        body = {
+            "model": "tiny",
+            "prompt": f"request number {i}",
+            "max_tokens": 24,
+            "ignore_eos": True,
+        }
+        return httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+
     try:
         wait_router(router.url, 3)
-        victim = pods[2]
-        with httpx.Client(base_url=router.url, timeout=60) as client:
-            for i in range(12):
-                if i == 3:
-                    victim.kill()
-                body = {
-                    "model": "tiny",
-                    "prompt": f"request number {i}",
-                    "max_tokens": 3,
-                    "stream": i % 2 == 0,
-                }
-                r = client.post("/v1/completions", json=body)
-                assert r.status_code == 200, r.text
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(post, i) for i in range(12)]
+            deadline = time.monotonic() + 30
+            while (
+                module_spawn.metric(
+                    router.url, "epdserve_router:inflight_requests", {"pod": victim_name}
+                )
+                < 1
+            ):
+                assert time.monotonic() < deadline, "no request ever reached the victim"
+                time.sleep(0.02)
+            victim.kill()
+            responses = [f.result() for f in futures]
+        assert [r.status_code for r in responses] == [200] * 12, [r.text for r in responses]
+        deadline = time.monotonic() + 10  # the health scrape drops it from rotation
+        while module_spawn.metric(router.url, "epdserve_router:pods", {"state": "unhealthy"}) != 1:
+            assert time.monotonic() < deadline, "the killed pod was never marked unhealthy"
+            time.sleep(0.05)
         wait_router(router.url, 2)
+        retried = module_spawn.metric(
+            router.url, "epdserve_router:requests_total", {"reason": "retry"}
+        )
+        assert retried >= 1
     finally:
         router.stop()

@@ -8,7 +8,7 @@ import pytest
 
 from epdserve.router.loadstats import parse_load
 from epdserve.router.pods import PodEndpoint
-from epdserve.router.strategy import Candidate, make_strategy
+from epdserve.router.strategy import Candidate, Decision, make_strategy
 
 
 def cand(name, load=0.0, kv=0.0, matched=0, total=10):
@@ -101,3 +101,11 @@ def test_a_new_prefix_goes_to_the_pod_with_the_emptiest_cache():
             Candidate("c", 0, 0, 0, 10, 12),
         ]
         assert [first(s, pods).pod for _ in range(3)] == ["b", "b", "b"]
+
+
+def test_prefix_load_spills_a_hot_prefix_past_the_balance_threshold():
+    s = make_strategy("prefix+load", balance_threshold=2)
+    assert first(s, [cand("a", 2, matched=10), cand("b", 0)]).pod == "a"
+    decision = first(s, [cand("a", 3, matched=10), cand("b", 0)])
+    assert decision == Decision("b", "load_balance")
+    assert [d.pod for d in s.rank([cand("a", 3, matched=10), cand("b", 0)])] == ["b", "a"]
