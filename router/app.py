@@ -64,7 +64,8 @@ def build_app(router: Router, settings: ProxySettings, discovery=None) -> FastAP
 
     async def forward(request: Request, path: str, body: dict) -> Response:
         content = await request.body()
-        routing = router.route(path, body)
+        # tokenizing a long prompt or rendering a template must not stall other streams
+        routing = await asyncio.to_thread(router.route, path, body)
         try:
             upstream = await open_upstream(
                 request.app.state.client,

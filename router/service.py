@@ -163,7 +163,9 @@ class Router:
         try:
             if path.endswith("/chat/completions"):
                 return self.tokenizer.chat_ids(body)
-            return self.tokenizer.completion_ids(body)
+            if path.endswith("/completions"):
+                return self.tokenizer.completion_ids(body)
+            return None
         except Exception as exc:  # PromptError, template errors: route by load instead
             self.metrics.tokenize_errors.inc()
             log.debug("cannot tokenize prompt: %s", exc)

@@ -167,18 +167,23 @@ class ZmqEventPublisher(EventPublisher):
                     continue
                 if item is _STOP:
                     break
-                try:
-                    item.events = [to_wire_event(e) for e in item.events]
-                except (TypeError, AttributeError, ValueError):
-                    self.stats.batches_invalid += 1
-                    log.exception("KV event batch not publishable; dropped")
-                    continue
-                self._send(pub, seq, self._encoder.encode(item))
-                seq += 1
+                payload = self._encode(item)
+                if payload is not None:
+                    self._send(pub, seq, payload)
+                    seq += 1
         finally:
             pub.close()
             if replay is not None:
                 replay.close()
+
+    def _encode(self, batch: EventBatch) -> bytes | None:
+        try:
+            batch.events = [to_wire_event(e) for e in batch.events]
+            return self._encoder.encode(batch)
+        except (TypeError, AttributeError, ValueError, OverflowError):
+            self.stats.batches_invalid += 1
+            log.exception("KV event batch not publishable; dropped")
+            return None
 
     def _send(self, pub: zmq.Socket, seq: int, payload: bytes) -> None:
         seq_bytes = seq.to_bytes(8, "big")

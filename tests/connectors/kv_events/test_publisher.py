@@ -213,3 +213,12 @@ def test_objects_that_are_not_events_are_counted_not_published(publisher):
     while publisher.stats.batches_invalid < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert publisher.stats.batches_invalid == 1 and publisher.stats.batches_published == 0
+
+
+def test_an_unencodable_batch_is_dropped_and_publishing_goes_on(ctx, publisher):
+    sub = subscribe(ctx, publisher.ports[0], publisher)
+    bad = BlockStored([1], None, [1, 2], 2, None, "GPU", None, [object()], 0)
+    publisher.publish([bad])
+    publisher.publish([BlockRemoved([9], "GPU", 0)])
+    _, _, (_, events, _) = recv_live(sub)
+    assert events[0]["block_hashes"] == [9] and publisher.stats.batches_invalid == 1
