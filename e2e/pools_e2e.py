@@ -44,3 +44,30 @@ def write(tmp_path: Path, pool: dict) -> str:
 def condition(pool: dict | None, ctype: str) -> dict:
     conditions = ((pool or {}).get("status") or {}).get("conditions") or []
     return next((c for c in conditions if c["type"] == ctype), {})
+
+
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def pod_names(cluster, selector: str) -> list[str]:
+    return sorted(p["metadata"]["name"] for p in cluster.pods(NS, selector))
+
+
+def ready_pod_ips(cluster, selector: str) -> list[str]:
+    return sorted(
+        p["status"]["podIP"]
+        for p in cluster.pods(NS, selector)
+        if any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in (p.get("status") or {}).get("conditions") or []
+        )
+    )

@@ -25,7 +25,7 @@ def test_kubectl_apply_of_the_colocated_example_serves_streamed_chat(cluster, tm
             "--timeout=240s",
             timeout=260,
         )
-        ip = cluster.service_ip(NS, name)  # (`kubectl get services` fails on the emulator)
+        ip = cluster.kubectl("get", "service", name, "-o", "jsonpath={.spec.clusterIP}")
         client = openai.OpenAI(base_url=f"http://{ip}:80/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
             model=served, messages=PROMPT, max_tokens=24, temperature=0, stream=True

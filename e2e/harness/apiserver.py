@@ -18,6 +18,22 @@ from k8s_server import EmulatorThread
 
 
 class WatchableEmulator(ApiEmulator):
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        # No metrics-server here: kmock's bundled metrics.k8s.io `pods` would otherwise win
+        # kubectl's name resolution (`kubectl delete pods X` -> PodMetrics, 404).
+        for resource in list(self._get_resources()):
+            if resource.group == "metrics.k8s.io":
+                del self.resources[resource]
+
+    async def _serve_version(self, request):
+        # kmock names the core group's version "/v1"; kubectl then maps no core resource
+        # at all ("the server doesn't have a resource type services").
+        payload = await super()._serve_version(request)
+        if isinstance(payload, dict) and payload.get("groupVersion") == "/v1":
+            payload["groupVersion"] = "v1"
+        return payload
+
     def _serve_watch(self, request):
         if request.params.get("sendInitialEvents") == "true":
             stream = self._watch_list(request)
