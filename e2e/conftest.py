@@ -6,7 +6,6 @@ Needs root for network namespaces; without it every e2e test skips with that rea
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import sys
 from pathlib import Path
@@ -18,17 +17,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-from pools_e2e import MODEL_PATH  # noqa: E402
+from pools_e2e import MODEL_PATH, readable_copy  # noqa: E402
 
 BIN = Path(sys.executable).parent
-
-
-def readable_copy(src: Path, dst: Path) -> Path:
-    """Copy a checkpoint with world-readable modes (pods run as a non-root uid)."""
-    shutil.copytree(src, dst)
-    for path in [dst, *dst.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    return dst
 
 
 def runtime_mounts() -> list[dict]:

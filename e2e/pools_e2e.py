@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import yaml
@@ -11,6 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
 MODEL_PATH = "/models/tiny-llama"  # where the engine "image" carries the tiny model
 SMALL_ENGINE = {"dtype": "float32", "maxModelLen": 512, "kvCacheMemory": 16 << 20}
+
+
+def readable_copy(src: Path, dst: Path) -> Path:
+    """Copy a checkpoint with world-readable modes (pods run as a non-root uid)."""
+    shutil.copytree(src, dst)
+    for path in [dst, *dst.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return dst
 
 
 def example(name: str) -> dict:

@@ -1,0 +1,79 @@
+"""Scenario 3: the E/P/D multimodal example (tiny Gemma3) answers an image chat request, and
+a repeated image is served from the encoder cache."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import pytest
+from capabilities import encoder_role_gap
+from cluster import wait_for
+from pools_e2e import NS, example, for_this_machine, readable_copy, ready_pod_ips, write
+
+pytestmark = pytest.mark.e2e
+
+
+def image_url(seed: int) -> str:
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 64), (seed * 40 % 256, 90, 200))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def encoder_cache_hits(text: str) -> float:
+    """Sum of every sample whose metric name mentions encoder cache hits."""
+    total = 0.0
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if not line.startswith("#") and "encoder_cache" in name and "hit" in name:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_epd_pool_answers_an_image_chat_and_reuses_encoder_outputs(cluster, e2e_workdir, tmp_path):
+    gap = encoder_role_gap()
+    if gap:
+        pytest.skip(gap)
+    from epdserve.engine.make_model import make_model
+
+    weights = cluster.node.claims["model-weights"] / "gemma-3-4b-it"
+    if not weights.exists():
+        built = make_model("gemma3", e2e_workdir / "build" / "tiny-gemma3", seed=0)
+        readable_copy(built, weights)
+    shared = e2e_workdir / "pv" / "epd-cache"
+    shared.mkdir(parents=True, exist_ok=True)
+    shared.chmod(0o777)
+    cluster.node.claims["epd-cache"] = shared
+    pool = for_this_machine(
+        example("epd-multimodal"), replicas={"encoder": 1, "prefill": 1, "decode": 1}
+    )
+    name, served = pool["metadata"]["name"], pool["spec"]["model"]["name"]
+    cluster.kubectl("apply", "--validate=false", "-f", write(tmp_path, pool))
+    try:
+        cluster.kubectl(
+            "wait", f"ipool/{name}", "--for=condition=Ready", "--timeout=300s", timeout=320
+        )
+        router = f"http://{cluster.service_ip(NS, name)}/v1/chat/completions"
+        content = [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": image_url(1)}},
+        ]
+        body = {"model": served, "messages": [{"role": "user", "content": content}]}
+        body.update(max_tokens=8, temperature=0)
+        first = httpx.post(router, json=body, timeout=180).json()
+        assert first["choices"][0]["message"]["content"]
+        (encoder_ip,) = ready_pod_ips(cluster, f"epdserve.io/pool={name},epdserve.io/role=encoder")
+        before = encoder_cache_hits(httpx.get(f"http://{encoder_ip}:8000/metrics").text)
+        again = httpx.post(router, json=body, timeout=180).json()
+        assert (
+            again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        )
+        after = encoder_cache_hits(httpx.get(f"http://{encoder_ip}:8000/metrics").text)
+        assert after > before, "the repeated image was encoded again"
+    finally:
+        cluster.kubectl("delete", "ipool", name, "--ignore-not-found", check=False)
+        wait_for(lambda: not cluster.api.list("Pod", NS), 90, "the pool's pods to go")
