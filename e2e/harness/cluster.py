@@ -18,7 +18,7 @@ from apiserver import ApiServer
 from controllers import DeploymentController, ServiceController
 from kapi import Api
 from kubelet import Kubelet, NodeConfig
-from netns import PodNetwork, list_namespaces
+from netns import PodNetwork
 from svcproxy import ServiceProxy, tls_context
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -234,9 +234,12 @@ class LocalCluster:
 
     def leaks(self) -> list[str]:
         """Processes of any group this cluster started, and namespaces of this run, still there."""
-        return leaked_processes(self.started_groups()) + [
-            f"netns {n}" for n in list_namespaces(self.network.prefix)
-        ]
+        made = self.kubelet.made_dirs if self.kubelet else []
+        return (
+            leaked_processes(self.started_groups())
+            + self.network.leftovers()
+            + [f"mount point {d}" for d in made if d.exists()]
+        )
 
     def __enter__(self) -> LocalCluster:
         try:

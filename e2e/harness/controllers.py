@@ -269,30 +269,27 @@ class ServiceController:
         return served
 
     def _hosts_entries(self, svc: dict, endpoints: list[dict], hosts: dict) -> None:
+        """Cluster DNS as hosts entries: a ClusterIP Service resolves to its cluster IP, a
+        headless one to every ready pod IP. Keyed by namespace: (address, short name)."""
         meta, spec = svc["metadata"], svc["spec"]
-        ns, name = meta["namespace"], meta["name"]
         if spec.get("clusterIP") == "None":
             addresses = [e["ip"] for e in endpoints if e["ready"]]
         else:
             addresses = [spec["clusterIP"]]
-        for addr in addresses:
-            hosts.setdefault(ns, []).append(
-                f"{addr}\t{name} {name}.{ns} {name}.{ns}.svc {name}.{ns}.svc.cluster.local"
-            )
+        entries = hosts.setdefault(meta["namespace"], [])
+        entries += [(addr, meta["name"]) for addr in addresses]
 
-    def _write_hosts(self, hosts: dict[str, list[str]]) -> None:
+    def _write_hosts(self, hosts: dict[str, list[tuple[str, str]]]) -> None:
+        """Each pod's /etc/hosts: itself, then Services (short names in its own namespace)."""
         for runtime in list(self.kubelet.pods.values()):
             lines = [
                 "127.0.0.1\tlocalhost",
                 "::1\tlocalhost ip6-localhost ip6-loopback",
                 f"{runtime.ip}\t{runtime.name}",
-                *hosts.get(runtime.namespace, []),
             ]
-            # Other namespaces' Services by their qualified names only.
-            for ns, entries in hosts.items():
-                if ns != runtime.namespace:
-                    lines += [
-                        e.split(" ", 1)[0].split("\t")[0] + "\t" + e.split(" ", 1)[1]
-                        for e in entries
-                    ]
+            for ns, entries in sorted(hosts.items()):
+                for addr, name in entries:
+                    qualified = f"{name}.{ns} {name}.{ns}.svc {name}.{ns}.svc.cluster.local"
+                    short = f"{name} " if ns == runtime.namespace else ""
+                    lines.append(f"{addr}\t{short}{qualified}")
             self.network.set_hosts(runtime.netns, "\n".join(lines) + "\n")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import podspec
+from kapi import ApiError
 from netns import GATEWAY, PodNetwork
 from probes import ProbeState, run_probe
 
@@ -66,9 +67,8 @@ class Container:
         pod, kubelet = self.pod, self.pod.kubelet
         try:
             services = kubelet.api.list("Service", pod.namespace)
-            self.env = podspec.container_env(
-                pod.obj, self.spec, kubelet.lookup, services, kubelet.config.image_env
-            )
+            base = {**kubelet.config.image_env, "HOSTNAME": pod.name}
+            self.env = podspec.container_env(pod.obj, self.spec, kubelet.lookup, services, base)
             argv = podspec.container_argv(self.spec, self.env)
             mounts = pod.mounts_for(self.spec)
             sec = podspec.security(pod.obj, self.spec)
@@ -348,9 +348,14 @@ class Kubelet:
                 self.pods[uid] = PodRuntime(self, obj)
         for uid, runtime in list(self.pods.items()):
             status = runtime.status()
-            if self.reported.get(uid) != status:
+            if self.reported.get(uid) == status:
+                continue
+            try:
                 self.api.patch("Pod", runtime.namespace, runtime.name, {"status": status}, "status")
-                self.reported[uid] = status
+            except ApiError as exc:
+                if exc.status != 404:  # 404: deleted meanwhile, stopped on the next sync
+                    raise
+            self.reported[uid] = status
 
     def pod(self, namespace: str, name: str) -> PodRuntime | None:
         return next(

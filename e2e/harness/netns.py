@@ -50,6 +50,27 @@ def run_prefix() -> str:
     return f"epd-e2e-{os.getpid()}-"
 
 
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def remove_stale() -> list[str]:
+    """Remove namespaces and bridges left by e2e runs whose process is gone (a crash or a
+    SIGKILL skips teardown); they would hold this run's addresses. Returns what it removed."""
+    removed = []
+    for netns in list_namespaces("epd-e2e-"):
+        pid = netns.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            ip("netns", "del", netns, check=False)
+            removed.append(netns)
+    for line in ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if name.startswith("epdbr") and name[5:].isdigit() and not _alive(int(name[5:])):
+            ip("link", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
 def list_namespaces(prefix: str) -> list[str]:
     """Network namespaces whose name starts with `prefix`."""
     out = ip("netns", "list", check=False).stdout
@@ -61,13 +82,16 @@ class PodNetwork:
 
     def __init__(self, prefix: str | None = None):
         self.prefix = prefix or run_prefix()
-        self.bridge = f"epdbr{os.getpid() % 10**9}"[:15]
+        self.bridge = f"epdbr{os.getpid()}"  # pids fit: at most 4194304 (10 chars in all)
         self._lock = threading.Lock()
         self._next_pod = 0
         self._next_service = 1  # .0 stays unused
+        self._made_netns_dir = False
         self.namespaces: dict[str, tuple[str, str]] = {}  # netns -> (host veth, pod ip)
 
     def open(self) -> PodNetwork:
+        remove_stale()
+        self._made_netns_dir = not NETNS_DIR.exists()
         ip("link", "add", self.bridge, "type", "bridge")
         ip("addr", "add", f"{GATEWAY}/{PREFIX_LEN}", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
@@ -121,6 +145,16 @@ class PodNetwork:
         for netns in set(self.namespaces) | set(list_namespaces(self.prefix)):
             self.remove_pod(netns)
         ip("link", "del", self.bridge, check=False)
+        if self._made_netns_dir:
+            with contextlib.suppress(OSError):
+                NETNS_DIR.rmdir()
+
+    def leftovers(self) -> list[str]:
+        """What of this run's network still exists (empty after close())."""
+        found = [f"netns {n}" for n in list_namespaces(self.prefix)]
+        if ip("link", "show", self.bridge, check=False).returncode == 0:
+            found.append(f"bridge {self.bridge}")
+        return found
 
 
 def write_in_place(path: Path, text: str) -> None:
