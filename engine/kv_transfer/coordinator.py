@@ -39,6 +39,9 @@ class LoadStart(enum.Enum):
 
 
 class KVTransferCoordinator:
+    """The scheduler's side of KV transfer: loads in flight, blocks and answers held for saves,
+    and the external prefix-cache counters (``queries``/``hits``/``load_failures``)."""
+
     def __init__(self, connector: KVConnectorBase, kv: KVCacheManager, can_load: bool):
         self.connector = connector
         self.kv = kv
