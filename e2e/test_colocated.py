@@ -43,6 +43,17 @@ def test_kubectl_apply_of_the_colocated_example_serves_streamed_chat(cluster, tm
             timeout=60,
         ).json()
         assert text and text == direct["choices"][0]["message"]["content"]
+        # The headless Service of the role lists both engine pods as ready endpoints.
+        slices = cluster.kubectl(
+            "get",
+            "endpointslices",
+            "-l",
+            f"kubernetes.io/service-name={name}-colocated",
+            "-o",
+            "jsonpath={.items[*].endpoints[?(@.conditions.ready==true)].addresses[0]}",
+        )
+        engines = cluster.pods(NS, f"epdserve.io/pool={name}")
+        assert sorted(slices.split()) == sorted(p["status"]["podIP"] for p in engines)
         table = cluster.kubectl("get", "ipool", name)
         header, row = table.splitlines()[:2]
         assert header.split()[:4] == ["NAME", "PHASE", "READY", "ENDPOINT"]

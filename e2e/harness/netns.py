@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -61,6 +62,9 @@ def remove_stale() -> list[str]:
     for netns in list_namespaces("epd-e2e-"):
         pid = netns.split("-")[2]
         if pid.isdigit() and not _alive(int(pid)):
+            for orphan in ip("netns", "pids", netns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(orphan), signal.SIGKILL)  # pods of that run, left running
             ip("netns", "del", netns, check=False)
             removed.append(netns)
     for line in ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
