@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
-from epdserve.engine.core.interfaces import EngineCoreOutput, Logprobs
+from epdserve.engine.core.interfaces import EngineCoreOutput, Logprobs, MMFeature
 from epdserve.engine.detokenizer import IncrementalDetokenizer
+from epdserve.engine.multimodal.images import ImageLimits, LoadedImage, load_image_url
 from epdserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
@@ -35,6 +36,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = TokenizerInfo(model)
         self._ids = itertools.count()
+        self._images = None  # the image processor, built on first use
 
     def generate(
         self,
@@ -61,19 +63,66 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
+        """One conversation (or a list of them) of OpenAI-style messages; images allowed."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [
-            {
-                "prompt_token_ids": self.tokenizer.encode(
-                    self.tokenizer.apply_chat_template(conv), add_special_tokens=False
-                )
-            }
-            for conv in conversations
+        return self.generate(
+            [self._chat_prompt(c) for c in conversations], sampling_params, use_tqdm
+        )
+
+    def _chat_prompt(self, conversation: list[dict]) -> dict:
+        """OpenAI-style messages (text and image parts) -> a prompt dict for ``generate``."""
+        images = []
+        for i, message in enumerate(conversation):
+            content = message.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if part.get("type") == "image_url":
+                    url = (
+                        part["image_url"]["url"]
+                        if isinstance(part["image_url"], dict)
+                        else part["image_url"]
+                    )
+                    images.append(load_image_url(url, ImageLimits(), f"messages[{i}].content[{j}]"))
+                elif part.get("type") == "image":
+                    images.append(LoadedImage(part["image"].convert("RGB"), b""))
+        text = self.tokenizer.apply_chat_template(conversation)
+        if not images:
+            return {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
+
+    def _image_processor(self):
+        if self._images is None:
+            from epdserve.engine.multimodal.processor import ImageProcessor
+
+            self._images = ImageProcessor(self.config.model, self.config.model, self.tokenizer)
+        return self._images
+
+    def _mm_prompt(self, prompt: dict) -> tuple[list[int], list[MMFeature]]:
+        images = prompt["multi_modal_data"].get("image", [])
+        images = images if isinstance(images, list) else [images]
+        loaded = [
+            i if isinstance(i, LoadedImage) else LoadedImage(i.convert("RGB"), b"") for i in images
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        processed = self._image_processor().process(
+            prompt["prompt"], loaded, prompt.get("add_special_tokens", True)
+        )
+        features = [
+            MMFeature(
+                m.identifier,
+                m.offset,
+                m.length,
+                m.pixel_values.tobytes(),
+                list(m.pixel_values.shape),
+            )
+            for m in processed.mm_items
+        ]
+        return processed.token_ids, features
 
     def _add(self, prompt, params: SamplingParams):
-        if isinstance(prompt, str):
+        mm_features = []
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            text = prompt["prompt"]
+            token_ids, mm_features = self._mm_prompt(prompt)
+        elif isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -98,7 +147,9 @@ class LLM:
             seqs[child_id] = _Sequence(
                 i, detok, logprobs=[] if child.logprobs is not None else None
             )
-            self.engine.add_request(EngineCoreRequest(child_id, token_ids, child))
+            self.engine.add_request(
+                EngineCoreRequest(child_id, token_ids, child, mm_features=mm_features)
+            )
         if params.prompt_logprobs is not None:
             result.prompt_logprobs = [None]
         result.params = params

@@ -116,6 +116,9 @@ class CoreLoop:
             self.core.step_count,
             prompt_tokens_by_source=list(s.prompt_sources),
         )
+        if s.encoder is not None:
+            stats.mm_queries, stats.mm_hits = s.encoder.cache.queries, s.encoder.cache.hits
+            stats.encoder_runs = self.core.runner.encoder_outputs.num_runs
         if s.kv_transfer is not None:
             stats.external_queries = s.kv_transfer.queries
             stats.external_hits = s.kv_transfer.hits

@@ -11,13 +11,14 @@ import torch
 from epdserve.connectors.kv_connector import KVTransferConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
-from epdserve.engine.core.interfaces import EngineCoreOutput
+from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
+from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
 from epdserve.engine.kv_transfer.setup import create_kv_connectors
-from epdserve.engine.models.loader import load_model
+from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes
 
@@ -32,6 +33,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     kv_transfer_params: dict[str, Any] | None = None
+    mm_features: list[MMFeature] = []
 
 
 class EngineCore:
@@ -60,12 +62,19 @@ class EngineCore:
         if connectors:
             can_load = KVTransferConfig.from_json(config.kv_transfer_config).is_consumer
             coordinator = KVTransferCoordinator(connectors[0], self.kv, can_load)
+        self.vision_encoder = load_vision_encoder(config.model, dtype, device)
+        encoder = None
+        if self.vision_encoder is not None:
+            tokens = self.vision_encoder.config.mm_tokens_per_image
+            budget = max(config.max_num_batched_tokens, tokens)
+            encoder = EncoderScheduler(cache_tokens=max(budget, 8 * tokens), budget_tokens=budget)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             coordinator,
+            encoder,
         )
         self.runner = ModelRunner(
             self.model,
@@ -74,6 +83,7 @@ class EngineCore:
             config.max_num_seqs,
             self.max_model_len,
             connectors[1] if connectors else None,
+            self.vision_encoder,
         )
         hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
         self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
@@ -124,6 +134,7 @@ class EngineCore:
                 self.hasher,
                 req.arrival_time or time.monotonic(),
                 self._kv_transfer_params(req.kv_transfer_params),
+                self._mm_features(req),
             )
         )
 
@@ -131,6 +142,27 @@ class EngineCore:
         if self.config.role == "prefill" and not params:
             return {"do_remote_decode": True}  # a prefill pod always hands its blocks over
         return params
+
+    def _mm_features(self, req: EngineCoreRequest) -> list[MMFeature]:
+        """Validate images against the prompt: spans must be placeholders inside it."""
+        if not req.mm_features:
+            return []
+        if self.vision_encoder is None:
+            raise ValueError("mm_features: this model takes no image inputs")
+        n = len(req.prompt_token_ids)
+        expected = self.vision_encoder.config.mm_tokens_per_image
+        for i, f in enumerate(req.mm_features):
+            if f.offset < 0 or f.end > n or f.length != expected:
+                raise ValueError(
+                    f"mm_features[{i}]: placeholder [{f.offset}, {f.end}) does not "
+                    f"fit a {n}-token prompt with {expected} tokens per image"
+                )
+            numel = 1
+            for d in f.shape:
+                numel *= d
+            if f.dtype != "float32" or len(f.data) != 4 * numel or len(f.shape) != 3:
+                raise ValueError(f"mm_features[{i}]: pixel buffer does not match shape {f.shape}")
+        return list(req.mm_features)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -72,12 +72,18 @@ class BlockHasher:
         self.root = root
         self.extra_keys = extra_keys  # e.g. (lora_name, cache_salt) applying to every block
 
-    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int]) -> None:
-        """Append hashes for every newly completed block of ``token_ids``."""
+    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], mm_spans=()) -> None:
+        """Append hashes for every newly completed block of ``token_ids``.
+
+        ``mm_spans`` are ``(start, end, identifier)`` of multimodal placeholders: a block
+        overlapping one carries its identifier, so different images never share blocks.
+        """
         bs = self.block_size
         start = len(hashes)
         for i in range(start, len(token_ids) // bs):
             parent = hashes[i - 1] if i > 0 else self.root
-            hashes.append(
-                hash_block(self.hash_fn, parent, token_ids[i * bs : (i + 1) * bs], self.extra_keys)
-            )
+            extra = self.extra_keys
+            if mm_spans:
+                ids = tuple(ident for s, e, ident in mm_spans if s < (i + 1) * bs and e > i * bs)
+                extra = ids or extra
+            hashes.append(hash_block(self.hash_fn, parent, token_ids[i * bs : (i + 1) * bs], extra))

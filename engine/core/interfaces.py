@@ -10,6 +10,21 @@ from epdserve.connectors.kv_connector import KVConnectorMetadata, KVConnectorOut
 from epdserve.engine.sampling_params import SamplingParams
 
 
+class MMFeature(msgspec.Struct, array_like=True):
+    """One multimodal item of a request: identifier, placeholder span, processed pixels."""
+
+    identifier: str
+    offset: int  # first placeholder token position in the prompt
+    length: int  # number of placeholder tokens
+    data: bytes  # raw little-endian buffer of the processed pixels
+    shape: list[int]
+    dtype: str = "float32"
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 class NewRequestData(msgspec.Struct, array_like=True):
     """A request the runner has not seen (or must rebuild after preemption)."""
 
@@ -19,6 +34,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int
+    mm_features: list[MMFeature] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -34,6 +50,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # the runner drops their state (finished or preempted)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    scheduled_encoder_inputs: dict[str, list[int]] = {}  # request -> indices of its mm items
+    free_encoder_ids: list[str] = []  # encoder outputs the runner may drop
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -78,6 +96,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     external_hits: int = 0  # tokens loaded from it
     kv_load_failures: int = 0  # blocks a load could not fill (recomputed instead)
     prompt_tokens_by_source: list[int] = []  # computed here, local cache hit, loaded
+    mm_queries: int = 0  # encoder-cache lookups (images)
+    mm_hits: int = 0  # of which served from the encoder cache
+    encoder_runs: int = 0  # images the vision encoder actually encoded
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -8,24 +8,8 @@ each other, so a span's K/V must be written in one forward).
 
 from __future__ import annotations
 
-import msgspec
-
 from epdserve.engine.core.encoder_cache_manager import EncoderCacheManager
-
-
-class MMFeature(msgspec.Struct, array_like=True):
-    """One multimodal item of a request: identifier, placeholder span, raw pixels."""
-
-    identifier: str
-    offset: int
-    length: int
-    data: bytes  # raw little-endian buffer of the processed pixels
-    shape: list[int]
-    dtype: str = "float32"
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
+from epdserve.engine.core.interfaces import MMFeature
 
 
 def clip_to_spans(features: list[MMFeature], computed: int, n: int) -> int:
@@ -72,3 +56,47 @@ def release_passed(
     for f in features:
         if f.end <= computed:
             cache.free_encoder_input(request_id, f.identifier)
+
+
+class EncoderScheduler:
+    """The scheduler's multimodal side: one step's encoder inputs within a token budget."""
+
+    def __init__(self, cache_tokens: int, budget_tokens: int):
+        self.cache = EncoderCacheManager(cache_tokens)
+        self.budget = budget_tokens
+        self.used = 0
+        self.inputs: dict[str, list[int]] = {}
+
+    def begin_step(self) -> None:
+        self.used, self.inputs = 0, {}
+
+    def fit(self, request, computed: int, n: int) -> int:
+        """How many of ``n`` tokens may run now; reserves/encodes the images they need."""
+        if not request.mm_features:
+            return n
+        n = clip_to_spans(request.mm_features, computed, n)
+        n, todo, used = plan_encoder_inputs(
+            request.request_id,
+            request.mm_features,
+            computed,
+            n,
+            self.cache,
+            self.budget - self.used,
+        )
+        if todo:
+            self.inputs.setdefault(request.request_id, []).extend(todo)
+            self.used += used
+        return n
+
+    def after_step(self, request) -> None:
+        if request.mm_features:
+            release_passed(
+                request.request_id, request.mm_features, request.num_computed_tokens, self.cache
+            )
+
+    def free(self, request) -> None:
+        self.cache.free(request.request_id, [f.identifier for f in request.mm_features])
+
+    def take_inputs(self) -> dict[str, list[int]]:
+        inputs, self.inputs = self.inputs, {}
+        return inputs

@@ -38,6 +38,7 @@ class Request:
         hasher: BlockHasher | None = None,
         arrival_time: float | None = None,
         kv_transfer_params: dict | None = None,
+        mm_features: list | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -55,9 +56,11 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.max_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
         self.block_hashes: list[BlockHash] = []
+        self.mm_features = list(mm_features or [])
+        self.mm_spans = tuple((f.offset, f.end, f.identifier) for f in self.mm_features)
         self._hasher = hasher
         if hasher is not None:
-            hasher.extend(self.block_hashes, self.all_token_ids)
+            hasher.extend(self.block_hashes, self.all_token_ids, self.mm_spans)
         # prompt logprobs need every prompt position computed here, never read from cache
         self.skip_prefix_cache = params.prompt_logprobs is not None
         self.kv_transfer_params = kv_transfer_params  # P/D hand-over (vLLM's field)
@@ -74,7 +77,7 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         if self._hasher is not None:
-            self._hasher.extend(self.block_hashes, self.all_token_ids)
+            self._hasher.extend(self.block_hashes, self.all_token_ids, self.mm_spans)
 
     @property
     def is_finished(self) -> bool:

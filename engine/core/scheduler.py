@@ -20,6 +20,7 @@ from epdserve.engine.core.interfaces import (
     SchedulerOutput,
 )
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
+from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.kv_transfer.coordinator import LoadStart
 
@@ -35,9 +36,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         kv_transfer: KVTransferCoordinator | None = None,
+        encoder: EncoderScheduler | None = None,
     ):
         self.kv = kv_cache_manager
         self.kv_transfer = kv_transfer  # a KV connector's scheduler side, if any
+        self.encoder = encoder  # multimodal models: encoder inputs and their cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -76,6 +79,8 @@ class Scheduler:
             self.kv.free(request)
         else:
             result = self.kv_transfer.finish(request)
+        if self.encoder is not None and request.mm_features:
+            self.encoder.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         return result
@@ -87,6 +92,8 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        if self.encoder is not None:
+            self.encoder.begin_step()
         num_scheduled: dict[str, int] = {}
         new_reqs: list[Request] = []
         cached_reqs: list[Request] = []
@@ -101,6 +108,8 @@ class Scheduler:
                 budget,
                 self.max_model_len - request.num_computed_tokens,
             )
+            if request.mm_features:
+                n = self.encoder.fit(request, request.num_computed_tokens, n)
             if n <= 0:
                 i += 1
                 continue
@@ -168,6 +177,10 @@ class Scheduler:
             if started is not LoadStart.NOTHING:
                 return started
         n = min(request.num_tokens - num_hit_tokens, budget)
+        if request.mm_features:
+            n = self.encoder.fit(request, num_hit_tokens, n)
+            if n <= 0:
+                return LoadStart.NO_ROOM
         if self.kv.allocate_slots(request, n, num_hit_tokens, hits) is None:
             return LoadStart.NO_ROOM
         return num_hit_tokens, n
@@ -201,6 +214,7 @@ class Scheduler:
                 self.kv.get_block_ids(r.request_id),
                 r.num_computed_tokens,
                 r.num_prompt_tokens,
+                r.mm_features,
             )
             for r in new_reqs
         ]
@@ -216,6 +230,11 @@ class Scheduler:
         )
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+        if self.encoder is not None:
+            for req_id in num_scheduled:
+                self.encoder.after_step(self.requests[req_id])
+            out.scheduled_encoder_inputs = self.encoder.take_inputs()
+            out.free_encoder_ids = self.encoder.cache.take_freed()
         if self.kv_transfer is not None:
             out.kv_connector_metadata = self.kv_transfer.build_meta(
                 [

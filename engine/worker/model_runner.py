@@ -14,6 +14,7 @@ from epdserve.engine.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from epdserve.engine.models.decoder import AttentionMetadata, DecoderLM
 from epdserve.engine.sample.sampler import SamplingRow, compute_logprobs, sample
 from epdserve.engine.worker.input_batch import InputBatch
+from epdserve.engine.worker.mm_inputs import EncoderOutputs, place_image_embeddings
 
 
 def kv_block_bytes(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
@@ -30,6 +31,7 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         kv_connector=None,
+        vision_encoder=None,
     ):
         cfg = model.config
         self.model = model
@@ -44,12 +46,15 @@ class ModelRunner:
         ]
         self.batch = InputBatch(max_num_reqs, max_model_len, block_size)
         self.kv_connector = kv_connector  # worker side of a KV connector, if any
+        self.encoder_outputs = EncoderOutputs(vision_encoder) if vision_encoder else None
+        self.mm_features: dict[str, list] = {}  # request -> its multimodal items
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.batch.remove(req_id)
+            self.mm_features.pop(req_id, None)
         for new in sched.scheduled_new_reqs:
             self.batch.add(
                 new.req_id,
@@ -59,6 +64,8 @@ class ModelRunner:
                 new.num_computed_tokens,
                 new.num_prompt_tokens,
             )
+            if new.mm_features:
+                self.mm_features[new.req_id] = new.mm_features
         cached = sched.scheduled_cached_reqs
         for req_id, block_ids, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -89,7 +96,11 @@ class ModelRunner:
             inputs.seq_lens,
             inputs.query_start_loc,
         )
-        hidden = self.model.forward(inputs.input_ids, meta, self.layer_caches)
+        embeds = self._multimodal_embeds(sched, inputs, meta)
+        if embeds is None:
+            hidden = self.model.forward(inputs.input_ids, meta, self.layer_caches)
+        else:
+            hidden = self.model.forward(inputs.input_ids, meta, self.layer_caches, embeds)
         sampled: dict[str, list[int]] = {}
         logprobs = {}
         if inputs.sample_req_ids:
@@ -99,6 +110,35 @@ class ModelRunner:
         return ModelRunnerOutput(
             inputs.order, [sampled.get(r, []) for r in inputs.order], logprobs, prompt_logprobs
         )
+
+    def _multimodal_embeds(self, sched: SchedulerOutput, inputs, meta) -> torch.Tensor | None:
+        """Encode this step's images; token embeddings with image features in place."""
+        outputs = self.encoder_outputs
+        if outputs is None:
+            return None
+        outputs.free(sched.free_encoder_ids)
+        outputs.encode(
+            [
+                self.mm_features[r][i]
+                for r, idxs in sched.scheduled_encoder_inputs.items()
+                for i in idxs
+            ]
+        )
+        if not any(r in self.mm_features for r in inputs.order):
+            return None
+        embeds = self.model.embed_tokens(inputs.input_ids)
+        counts = inputs.query_start_loc[1:] - inputs.query_start_loc[:-1]
+        starts = inputs.seq_lens - counts
+        meta.bidirectional_spans = place_image_embeddings(
+            embeds,
+            inputs.order,
+            starts,
+            counts,
+            inputs.query_start_loc,
+            lambda r: self.mm_features.get(r),
+            outputs,
+        )
+        return embeds
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]):
         states = [self.batch.states[r] for r in req_ids]

@@ -1,0 +1,85 @@
+"""Gemma3 image+text through the engine: token-exact vs transformers, encoder cache, hashing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest_helpers import assert_no_leak
+from PIL import Image
+
+from epdserve.engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+IMAGES = [Image.new("RGB", (80, 50), (200, 10, 30)), Image.new("RGB", (64, 64), (10, 200, 30))]
+TEXTS = ["what is it " * 3, "describe the picture in detail " * 4]
+CASES = [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def conversation(image_idx: int, text_idx: int) -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": IMAGES[image_idx]},
+                {"type": "text", "text": TEXTS[text_idx]},
+            ],
+        }
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = models.get("gemma3")
+    proc = AutoProcessor.from_pretrained(path)
+    hf = AutoModelForImageTextToText.from_pretrained(path)
+    hf.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for i, t in CASES:
+            msgs = [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXTS[t]}]}
+            ]
+            text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            inputs = proc(text=text, images=[IMAGES[i]], return_tensors="pt")
+            gen = hf.generate(**inputs, max_new_tokens=12, do_sample=False)
+            outs.append(gen[0, inputs.input_ids.shape[1] :].tolist())
+    return path, outs
+
+
+@pytest.mark.parametrize(
+    "regime", [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 16}]
+)
+def test_image_prompts_match_transformers_and_each_image_is_encoded_once(reference, regime):
+    path, expected = reference
+    llm = LLM(model=str(path), max_model_len=512, **regime)
+    outs = llm.chat([conversation(i, t) for i, t in CASES], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.runner.encoder_outputs.num_runs == 2  # two distinct images
+    assert_no_leak(llm)
+
+
+def test_a_repeated_image_is_served_from_the_caches_not_encoded_again(reference):
+    path, expected = reference
+    llm = LLM(model=str(path), max_model_len=512)
+    first = llm.chat(conversation(0, 1), GREEDY)[0]
+    assert llm.engine.runner.encoder_outputs.num_runs == 1
+    again = llm.chat(conversation(0, 1), GREEDY)[0]  # identical: the prefix cache covers it
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == expected[2]
+    assert again.num_cached_tokens >= 16
+    other_text = llm.chat(conversation(0, 0), GREEDY)[0]  # same image, other text
+    assert other_text.outputs[0].token_ids == expected[0]
+    assert llm.engine.scheduler.encoder.cache.hits == 1  # the encoder cache served it
+    assert llm.engine.runner.encoder_outputs.num_runs == 1
+    assert_no_leak(llm)
+
+
+def test_different_images_with_identical_text_never_share_blocks(reference):
+    path, expected = reference
+    llm = LLM(model=str(path), max_model_len=512)
+    llm.chat(conversation(0, 1), GREEDY)
+    other = llm.chat(conversation(1, 1), GREEDY)[0]
+    assert other.num_cached_tokens == 0  # the first block already holds the image
+    assert other.outputs[0].token_ids == expected[3]
+    assert_no_leak(llm)
