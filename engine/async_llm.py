@@ -136,6 +136,7 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         kv_transfer_params: dict | None = None,
+        mm_features: list | None = None,
     ) -> AsyncIterator[StreamOutput]:
         """Stream a request's outputs; cancelling the iteration aborts the request."""
         if self.dead:
@@ -148,7 +149,13 @@ class AsyncLLM:
             self.child_to_state[child_id] = state
             child = params.for_child(i) if params.n > 1 else params
             req = EngineCoreRequest(
-                child_id, prompt_token_ids, child, None, time.monotonic(), kv_transfer_params
+                child_id,
+                prompt_token_ids,
+                child,
+                None,
+                time.monotonic(),
+                kv_transfer_params,
+                mm_features or [],
             )
             await self.input.send_multipart([self.core_identity, ADD, self._encode.encode(req)])
         if self.metrics:

@@ -140,7 +140,18 @@ class EngineMetrics:
             "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ["source"]
         )
         self.by_source = {s: by_source.labels(**self.labels, source=s) for s in PROMPT_SOURCES}
+        self._add_multimodal(c)
         self._last = SchedulerStats()
+
+    def _add_multimodal(self, c) -> None:
+        self.encoder_cache_queries = c(
+            "epdserve:encoder_cache_queries", "Images looked up in the encoder cache."
+        )
+        self.encoder_cache_hits = c(
+            "epdserve:encoder_cache_hits",
+            "Images served from the encoder cache (not encoded again).",
+        )
+        self.encoder_runs = c("epdserve:encoder_runs", "Images the vision encoder encoded.")
 
     def on_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -154,6 +165,9 @@ class EngineMetrics:
         self.ext_queries.inc(max(0, stats.external_queries - last.external_queries))
         self.ext_hits.inc(max(0, stats.external_hits - last.external_hits))
         self.kv_load_failures.inc(max(0, stats.kv_load_failures - last.kv_load_failures))
+        self.encoder_cache_queries.inc(max(0, stats.mm_queries - last.mm_queries))
+        self.encoder_cache_hits.inc(max(0, stats.mm_hits - last.mm_hits))
+        self.encoder_runs.inc(max(0, stats.encoder_runs - last.encoder_runs))
         now = stats.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
         then = last.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
         for source, a, b in zip(PROMPT_SOURCES, now, then, strict=True):

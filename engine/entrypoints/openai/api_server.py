@@ -31,6 +31,7 @@ from epdserve.engine.entrypoints.openai.protocol import (
 )
 from epdserve.engine.entrypoints.openai.serving import OpenAIServing
 from epdserve.engine.metrics import EngineMetrics
+from epdserve.engine.multimodal.frontend import FrontendMultimodal, is_multimodal
 
 log = logging.getLogger("epdserve.server")
 
@@ -43,6 +44,10 @@ class ServerState:
         self.metrics = EngineMetrics(served_model_name)
         self.engine = AsyncLLM(config, self.metrics)
         self.serving = OpenAIServing(self.engine, served_model_name)
+        if is_multimodal(config.model):
+            self.serving.multimodal = FrontendMultimodal(
+                config.model, served_model_name, self.engine.tokenizer
+            )
         self.ready = False
         self.start_error: str | None = None
         self.created = int(time.time())

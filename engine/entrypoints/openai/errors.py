@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 TYPES = {
@@ -38,7 +40,7 @@ def from_value_error(exc: ValueError) -> APIError:
     """``SamplingParams``/engine messages start with the field name: ``"top_p: must be ..."``."""
     message = str(exc)
     field, sep, _ = message.partition(":")
-    param = field if sep and all(p.isidentifier() for p in field.split(".")) else None
+    param = field if sep and re.fullmatch(r"[A-Za-z_][\w.]*(\[\d+\][\w.]*)*", field) else None
     return APIError(400, message, param)
 
 

@@ -27,6 +27,7 @@ class Prepared:
     def __init__(self, prompts: list[list[int]], texts: list[str | None], params, kind: str):
         self.prompts, self.texts, self.params, self.kind = prompts, texts, params, kind
         self.kv_transfer_params: dict | None = None
+        self.mm_features: list = []  # for the (single) chat prompt
         self.request_id = (
             f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}"
         )
@@ -38,6 +39,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = served_model_name
         self.tok = engine.tokenizer
+        self.multimodal = None  # set for image+text models (FrontendMultimodal)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -68,32 +70,52 @@ class OpenAIServing:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
-        messages = []
-        for i, message in enumerate(req.messages):
-            content = message.content
-            if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if part.type != "text":
-                        raise APIError(
-                            400,
-                            f"messages[{i}].content[{j}]: {self.model_name} is "
-                            "not a multimodal model",
-                            f"messages[{i}].content[{j}]",
-                        )
-                content = "".join(p.text or "" for p in content)
-            messages.append({"role": message.role, "content": content or ""})
+        messages, images = self._chat_messages(req)
         try:
             text = self.tok.apply_chat_template(
                 messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
             )
+            features = []
+            if images:
+                ids, features = self.multimodal.process(text, images)
+            else:
+                ids = self.tok.encode(text, add_special_tokens=False)
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        ids = self.tok.encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
-        return self._finish_prepare(req, [ids], [text], max_tokens, logprobs, "chat")
+        prep = self._finish_prepare(req, [ids], [text], max_tokens, logprobs, "chat")
+        prep.mm_features = features
+        return prep
+
+    def _chat_messages(self, req: ChatCompletionRequest) -> tuple[list[dict], list]:
+        """Template-ready messages, and the images of their image parts in order."""
+        messages, images = [], []
+        for i, message in enumerate(req.messages):
+            content = message.content
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    where = f"messages[{i}].content[{j}]"
+                    if part.type == "text":
+                        parts.append({"type": "text", "text": part.text or ""})
+                        continue
+                    if self.multimodal is None:
+                        raise APIError(
+                            400, f"{where}: {self.model_name} is not a multimodal model", where
+                        )
+                    if part.image_url is None:
+                        raise APIError(400, f"{where}: an image part needs image_url.url", where)
+                    try:
+                        images.append(self.multimodal.load(part.image_url.url, where))
+                    except ValueError as exc:
+                        raise from_value_error(exc) from exc
+                    parts.append({"type": "image"})
+                content = parts if images else "".join(p.get("text", "") for p in parts)
+            messages.append({"role": message.role, "content": content or ""})
+        return messages, images
 
     def _finish_prepare(self, req, prompts, texts, max_tokens, logprobs, kind) -> Prepared:
         limit = self.engine.max_model_len
@@ -134,7 +156,11 @@ class OpenAIServing:
         """Merge the per-prompt output streams: yields ``(prompt_index, StreamOutput)``."""
         if len(prep.prompts) == 1:
             async for out in self.engine.generate(
-                prep.prompts[0], prep.params, prep.request_id, prep.kv_transfer_params
+                prep.prompts[0],
+                prep.params,
+                prep.request_id,
+                prep.kv_transfer_params,
+                prep.mm_features,
             ):
                 yield 0, out
             return

@@ -1,0 +1,46 @@
+"""The API server's multimodal side: image URLs in, token ids + engine features out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from epdserve.engine.core.interfaces import MMFeature
+from epdserve.engine.multimodal.images import ImageLimits, LoadedImage, load_image_url
+from epdserve.engine.multimodal.processor import ImageProcessor
+from epdserve.engine.tokenizer import TokenizerInfo
+
+
+def is_multimodal(model_dir: str) -> bool:
+    path = Path(model_dir) / "config.json"
+    return path.is_file() and "vision_config" in json.loads(path.read_text())
+
+
+class FrontendMultimodal:
+    def __init__(
+        self,
+        model_dir: str,
+        model_id: str,
+        tokenizer: TokenizerInfo,
+        limits: ImageLimits | None = None,
+        max_images: int = 8,
+    ):
+        self.limits = limits or ImageLimits()
+        self.processor = ImageProcessor(model_dir, model_id, tokenizer, max_images=max_images)
+
+    def load(self, url: str, where: str) -> LoadedImage:
+        return load_image_url(url, self.limits, where)
+
+    def process(self, text: str, images: list[LoadedImage]) -> tuple[list[int], list[MMFeature]]:
+        processed = self.processor.process(text, images)
+        features = [
+            MMFeature(
+                m.identifier,
+                m.offset,
+                m.length,
+                m.pixel_values.tobytes(),
+                list(m.pixel_values.shape),
+            )
+            for m in processed.mm_items
+        ]
+        return processed.token_ids, features
