@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
-ROLES = ("both", "prefill", "decode")  # "encoder" comes with encoder disaggregation
+ROLES = ("both", "encoder", "prefill", "decode")
 ROLE_NEEDS = {"prefill": ("is_producer", "kv_producer"), "decode": ("is_consumer", "kv_consumer")}
 
 
@@ -26,7 +26,8 @@ class EngineConfig:
     enable_kv_events: bool = False
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON
     kv_transfer_config: str | None = None  # vLLM's --kv-transfer-config JSON
-    role: str = "both"  # both | prefill | decode (DESIGN.md §2)
+    role: str = "both"  # both | encoder | prefill | decode (DESIGN.md §2)
+    ec_transfer_config: str | None = None  # --ec-transfer-config JSON (encoder outputs)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -55,6 +56,19 @@ class EngineConfig:
             from epdserve.connectors.kv_connector import KVTransferConfig
 
             transfer = KVTransferConfig.from_json(self.kv_transfer_config)
+        if self.ec_transfer_config or self.role == "encoder":
+            from epdserve.connectors.ec_connector import ECTransferConfig
+
+            ec = (
+                ECTransferConfig.from_json(self.ec_transfer_config)
+                if self.ec_transfer_config
+                else None
+            )
+            if self.role == "encoder" and (ec is None or not ec.is_producer):
+                raise ValueError(
+                    "ec_transfer_config: role encoder needs an encoder-cache "
+                    "connector with ec_role ec_producer or ec_both"
+                )
         if self.role in ROLE_NEEDS:
             attr, kv_role = ROLE_NEEDS[self.role]
             if transfer is None or not getattr(transfer, attr):

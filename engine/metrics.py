@@ -152,6 +152,10 @@ class EngineMetrics:
             "Images served from the encoder cache (not encoded again).",
         )
         self.encoder_runs = c("epdserve:encoder_runs", "Images the vision encoder encoded.")
+        self.encoder_loads = c(
+            "epdserve:encoder_loads",
+            "Images whose encoder output was loaded from the shared store.",
+        )
 
     def on_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -168,6 +172,7 @@ class EngineMetrics:
         self.encoder_cache_queries.inc(max(0, stats.mm_queries - last.mm_queries))
         self.encoder_cache_hits.inc(max(0, stats.mm_hits - last.mm_hits))
         self.encoder_runs.inc(max(0, stats.encoder_runs - last.encoder_runs))
+        self.encoder_loads.inc(max(0, stats.encoder_loads - last.encoder_loads))
         now = stats.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
         then = last.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
         for source, a, b in zip(PROMPT_SOURCES, now, then, strict=True):

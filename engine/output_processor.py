@@ -35,6 +35,7 @@ class StreamOutput:
     prompt_logprobs: list | None = None
     error: str | None = None
     kv_transfer_params: dict | None = None  # for the next pod (P/D), once finished
+    ec_transfer_params: dict | None = None  # encoder pods: the items they stored
 
 
 class _Seq:
@@ -81,6 +82,7 @@ class RequestState:
         self.last_token_time: float | None = None
         self.num_generated = 0
         self.kv_transfer_params: dict | None = None
+        self.ec_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,6 +94,8 @@ class RequestState:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.kv_transfer_params is not None and seq.index == 0:
             self.kv_transfer_params = out.kv_transfer_params
+        if out.ec_transfer_params is not None and seq.index == 0:
+            self.ec_transfer_params = out.ec_transfer_params
         if (
             out.new_prompt_logprobs is not None
             and self.prompt_logprobs is not None
@@ -147,6 +151,7 @@ class RequestState:
             self.prompt_logprobs,
             self.error,
             self.kv_transfer_params if self.finished else None,
+            self.ec_transfer_params if self.finished else None,
         )
 
     def record_tokens(self, n: int, now: float) -> tuple[float | None, float | None]:

@@ -25,6 +25,7 @@ from epdserve.connectors.kv_events import (
     to_wire_event,
 )
 from epdserve.engine.config import EngineConfig
+from epdserve.engine.core.encoder_core import EncoderCore
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
@@ -90,40 +91,25 @@ class CoreLoop:
             )
 
     def _stats_changed(self) -> bool:
-        return self._counts() != self.last_counts
+        return self._counts(self.core.stats()) != self.last_counts
 
-    def _counts(self) -> tuple:
-        s, kv = self.core.scheduler, self.core.kv
-        transfer = s.kv_transfer
-        external = (transfer.queries, transfer.hits, transfer.load_failures) if transfer else ()
+    @staticmethod
+    def _counts(stats: SchedulerStats) -> tuple:
         return (
-            s.num_running(),
-            s.num_waiting(),
-            kv.prefix_queries,
-            kv.num_free_blocks(),
-            *external,
+            stats.num_running,
+            stats.num_waiting,
+            stats.prefix_queries,
+            stats.kv_cache_usage,
+            stats.external_queries,
+            stats.external_hits,
+            stats.kv_load_failures,
+            stats.encoder_runs,
+            stats.encoder_loads,
         )
 
     def _send(self, outputs: list[EngineCoreOutput]) -> None:
-        s, kv = self.core.scheduler, self.core.kv
-        stats = SchedulerStats(
-            s.num_running(),
-            s.num_waiting(),
-            kv.usage,
-            kv.prefix_queries,
-            kv.prefix_hits,
-            s.num_preemptions,
-            self.core.step_count,
-            prompt_tokens_by_source=list(s.prompt_sources),
-        )
-        if s.encoder is not None:
-            stats.mm_queries, stats.mm_hits = s.encoder.cache.queries, s.encoder.cache.hits
-            stats.encoder_runs = self.core.runner.encoder_outputs.num_runs
-        if s.kv_transfer is not None:
-            stats.external_queries = s.kv_transfer.queries
-            stats.external_hits = s.kv_transfer.hits
-            stats.kv_load_failures = s.kv_transfer.load_failures
-        self.last_counts = self._counts()
+        stats = self.core.stats()
+        self.last_counts = self._counts(stats)
         self.output.send(_encode.encode(EngineCoreOutputs(outputs, time.time(), stats)), copy=False)
 
 
@@ -146,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = EngineConfig(**json.loads(args.config))
-    core = EngineCore(config)
+    core = EncoderCore(config) if config.role == "encoder" else EngineCore(config)
     ctx = zmq.Context()
     input_sock = ctx.socket(zmq.DEALER)
     input_sock.setsockopt(zmq.LINGER, 0)

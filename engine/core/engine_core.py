@@ -8,16 +8,17 @@ from typing import Any
 import msgspec
 import torch
 
+from epdserve.connectors.ec_connector import create_ec_connector
 from epdserve.connectors.kv_connector import KVTransferConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
-from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature
+from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature, SchedulerStats
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
-from epdserve.engine.kv_transfer.setup import create_kv_connectors
+from epdserve.engine.kv_transfer.setup import create_kv_connectors, encoder_fingerprint
 from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes
@@ -63,11 +64,18 @@ class EngineCore:
             can_load = KVTransferConfig.from_json(config.kv_transfer_config).is_consumer
             coordinator = KVTransferCoordinator(connectors[0], self.kv, can_load)
         self.vision_encoder = load_vision_encoder(config.model, dtype, device)
+        self.ec_connector = create_ec_connector(
+            config.ec_transfer_config, encoder_fingerprint(config.model, config.dtype)
+        )
         encoder = None
         if self.vision_encoder is not None:
             tokens = self.vision_encoder.config.mm_tokens_per_image
             budget = max(config.max_num_batched_tokens, tokens)
-            encoder = EncoderScheduler(cache_tokens=max(budget, 8 * tokens), budget_tokens=budget)
+            encoder = EncoderScheduler(
+                cache_tokens=max(budget, 8 * tokens),
+                budget_tokens=budget,
+                ec_connector=self.ec_connector,
+            )
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -84,6 +92,7 @@ class EngineCore:
             self.max_model_len,
             connectors[1] if connectors else None,
             self.vision_encoder,
+            self.ec_connector,
         )
         hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
         self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
@@ -183,6 +192,31 @@ class EngineCore:
     def close(self) -> None:
         for connector in self.kv_connectors:
             connector.close()
+        if self.ec_connector is not None:
+            self.ec_connector.close()
 
     def take_events(self) -> list:
         return self.kv.take_events()
+
+    def stats(self) -> SchedulerStats:
+        """Gauges now and cumulative counters, for the frontend's metrics."""
+        s, kv = self.scheduler, self.kv
+        stats = SchedulerStats(
+            s.num_running(),
+            s.num_waiting(),
+            kv.usage,
+            kv.prefix_queries,
+            kv.prefix_hits,
+            s.num_preemptions,
+            self.step_count,
+            prompt_tokens_by_source=list(s.prompt_sources),
+        )
+        if s.encoder is not None:
+            stats.mm_queries, stats.mm_hits = s.encoder.cache.queries, s.encoder.cache.hits
+            stats.encoder_runs = self.runner.encoder_outputs.num_runs
+            stats.encoder_loads = self.runner.encoder_outputs.num_loads
+        if s.kv_transfer is not None:
+            stats.external_queries = s.kv_transfer.queries
+            stats.external_hits = s.kv_transfer.hits
+            stats.kv_load_failures = s.kv_transfer.load_failures
+        return stats

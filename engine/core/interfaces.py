@@ -52,6 +52,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     kv_connector_metadata: KVConnectorMetadata | None = None
     scheduled_encoder_inputs: dict[str, list[int]] = {}  # request -> indices of its mm items
     free_encoder_ids: list[str] = []  # encoder outputs the runner may drop
+    encoder_loads: list[str] = []  # encoder inputs to load from the shared store, not encode
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -79,6 +80,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None  # for the next pod (P/D), on the last output
+    ec_transfer_params: dict[str, Any] | None = None  # encoder pods: the items stored
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -99,6 +101,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     mm_queries: int = 0  # encoder-cache lookups (images)
     mm_hits: int = 0  # of which served from the encoder cache
     encoder_runs: int = 0  # images the vision encoder actually encoded
+    encoder_loads: int = 0  # images loaded from the shared encoder-output store
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -61,8 +61,9 @@ def release_passed(
 class EncoderScheduler:
     """The scheduler's multimodal side: one step's encoder inputs within a token budget."""
 
-    def __init__(self, cache_tokens: int, budget_tokens: int):
+    def __init__(self, cache_tokens: int, budget_tokens: int, ec_connector=None):
         self.cache = EncoderCacheManager(cache_tokens)
+        self.ec = ec_connector  # shared encoder-output store, if any
         self.budget = budget_tokens
         self.used = 0
         self.inputs: dict[str, list[int]] = {}
@@ -100,3 +101,12 @@ class EncoderScheduler:
     def take_inputs(self) -> dict[str, list[int]]:
         inputs, self.inputs = self.inputs, {}
         return inputs
+
+    def remote_items(self, requests: dict, inputs: dict[str, list[int]]) -> list[str]:
+        """Which of this step's encoder inputs another pod already stored (load, don't encode)."""
+        if self.ec is None or not inputs:
+            return []
+        ids = sorted(
+            {requests[r].mm_features[i].identifier for r, idxs in inputs.items() for i in idxs}
+        )
+        return [m for m, found in zip(ids, self.ec.has_cache_item(ids), strict=True) if found]

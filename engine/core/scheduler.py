@@ -234,6 +234,9 @@ class Scheduler:
             for req_id in num_scheduled:
                 self.encoder.after_step(self.requests[req_id])
             out.scheduled_encoder_inputs = self.encoder.take_inputs()
+            out.encoder_loads = self.encoder.remote_items(
+                self.requests, out.scheduled_encoder_inputs
+            )
             out.free_encoder_ids = self.encoder.cache.take_freed()
         if self.kv_transfer is not None:
             out.kv_connector_metadata = self.kv_transfer.build_meta(

@@ -92,6 +92,7 @@ def engine_config(args: argparse.Namespace):
         kv_events_config=args.kv_events_config or None,
         kv_transfer_config=args.kv_transfer_config or None,
         role=args.role,
+        ec_transfer_config=args.ec_transfer_config or None,
     )
 
 
@@ -105,15 +106,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.model:
         raise SystemExit("epdserve serve: a MODEL directory is required (or EPDSERVE_MODEL)")
-    if args.role == "encoder":
-        raise SystemExit(
-            "epdserve serve: --role encoder is not available in this build yet "
-            "(encoder disaggregation); use --role both, prefill or decode"
-        )
-    if args.ec_transfer_config:
-        logging.getLogger("epdserve.serve").warning(
-            "--ec-transfer-config ignored: encoder-output transfer is not available yet"
-        )
     try:
         config = engine_config(args)
     except ValueError as exc:

@@ -53,6 +53,11 @@ def model_fingerprint(
     )
 
 
+def encoder_fingerprint(model_dir: str, dtype: str) -> str:
+    """Identifies the vision encoder's outputs: same weights, same dtype."""
+    return fingerprint(weights_digest(os.fspath(model_dir)), dtype, "encoder-output-v1")
+
+
 def create_kv_connectors(
     config, block_shape: tuple[int, ...]
 ) -> tuple[KVConnectorBase, KVConnectorBase] | None:

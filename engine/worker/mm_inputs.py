@@ -10,10 +10,25 @@ import torch
 class EncoderOutputs:
     """Encoder outputs by identifier (freed when the scheduler says so); counts runs."""
 
-    def __init__(self, encoder):
+    def __init__(self, encoder, ec_connector=None):
         self.encoder = encoder
+        self.ec = ec_connector  # shared encoder-output store, if any
         self.outputs: dict[str, torch.Tensor] = {}
         self.num_runs = 0  # images actually encoded
+        self.num_loads = 0  # images loaded from the shared store
+
+    def load(self, features, hidden: int, dtype: torch.dtype) -> None:
+        """Fetch outputs another pod stored; whatever fails to load is encoded instead."""
+        todo = [f for f in features if f.identifier not in self.outputs]
+        if not todo or self.ec is None:
+            return
+        loaded = self.ec.start_load_caches(
+            [f.identifier for f in todo], [(f.length, hidden) for f in todo], dtype
+        )
+        for f, out in zip(todo, loaded, strict=True):
+            if out is not None:
+                self.outputs[f.identifier] = out
+                self.num_loads += 1
 
     def encode(self, features) -> None:
         todo = [f for f in features if f.identifier not in self.outputs]
@@ -36,6 +51,8 @@ class EncoderOutputs:
                 )
             self.outputs[f.identifier] = out
         self.num_runs += len(todo)
+        if self.ec is not None:
+            self.ec.save_caches([(f.identifier, self.outputs[f.identifier]) for f in todo])
 
     def put(self, identifier: str, embeds: torch.Tensor) -> None:
         self.outputs[identifier] = embeds

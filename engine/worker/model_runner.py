@@ -32,6 +32,7 @@ class ModelRunner:
         max_model_len: int,
         kv_connector=None,
         vision_encoder=None,
+        ec_connector=None,
     ):
         cfg = model.config
         self.model = model
@@ -46,7 +47,9 @@ class ModelRunner:
         ]
         self.batch = InputBatch(max_num_reqs, max_model_len, block_size)
         self.kv_connector = kv_connector  # worker side of a KV connector, if any
-        self.encoder_outputs = EncoderOutputs(vision_encoder) if vision_encoder else None
+        self.encoder_outputs = (
+            EncoderOutputs(vision_encoder, ec_connector) if vision_encoder else None
+        )
         self.mm_features: dict[str, list] = {}  # request -> its multimodal items
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache)
@@ -117,13 +120,19 @@ class ModelRunner:
         if outputs is None:
             return None
         outputs.free(sched.free_encoder_ids)
-        outputs.encode(
-            [
-                self.mm_features[r][i]
-                for r, idxs in sched.scheduled_encoder_inputs.items()
-                for i in idxs
-            ]
-        )
+        scheduled = [
+            self.mm_features[r][i]
+            for r, idxs in sched.scheduled_encoder_inputs.items()
+            for i in idxs
+        ]
+        if sched.encoder_loads:
+            loads = set(sched.encoder_loads)
+            outputs.load(
+                [f for f in scheduled if f.identifier in loads],
+                self.model.config.hidden_size,
+                self.model.dtype,
+            )
+        outputs.encode(scheduled)
         if not any(r in self.mm_features for r in inputs.order):
             return None
         embeds = self.model.embed_tokens(inputs.input_ids)

@@ -44,6 +44,7 @@ class ServerState:
         self.metrics = EngineMetrics(served_model_name)
         self.engine = AsyncLLM(config, self.metrics)
         self.serving = OpenAIServing(self.engine, served_model_name)
+        self.serving.role = config.role
         if is_multimodal(config.model):
             self.serving.multimodal = FrontendMultimodal(
                 config.model, served_model_name, self.engine.tokenizer

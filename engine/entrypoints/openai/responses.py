@@ -66,11 +66,13 @@ def usage(prep: Prepared, acc: Accumulator) -> dict:
 async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> dict:
     n = prep.params.n
     acc = Accumulator(n * len(prep.prompts))
-    kv_transfer_params = None
+    kv_transfer_params = ec_transfer_params = None
     async for i, out in serving.events(prep):
         acc.cached += out.num_cached_tokens if out.finished else 0
         if i == 0 and out.kv_transfer_params is not None:
             kv_transfer_params = out.kv_transfer_params
+        if i == 0 and out.ec_transfer_params is not None:
+            ec_transfer_params = out.ec_transfer_params
         for seq in out.seqs:
             c = i * n + seq.index
             acc.text[c] += seq.text
@@ -107,6 +109,7 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
         "choices": choices,
         "usage": usage(prep, acc),
         "kv_transfer_params": kv_transfer_params,
+        "ec_transfer_params": ec_transfer_params,
     }
 
 

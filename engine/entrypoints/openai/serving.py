@@ -40,6 +40,7 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.tok = engine.tokenizer
         self.multimodal = None  # set for image+text models (FrontendMultimodal)
+        self.role = "both"
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -52,6 +53,10 @@ class OpenAIServing:
     # --- preparation -----------------------------------------------------------------
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self.check_model(req.model)
+        if self.role == "encoder":
+            raise APIError(
+                400, "prompt: an encoder pod serves chat requests with images only", "prompt"
+            )
         if req.suffix is not None:
             raise APIError(400, "suffix: not supported", "suffix")
         raw = req.prompt
@@ -71,6 +76,10 @@ class OpenAIServing:
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
         messages, images = self._chat_messages(req)
+        if self.role == "encoder" and not images:
+            raise APIError(
+                400, "messages: an encoder pod serves requests with images only", "messages"
+            )
         try:
             text = self.tok.apply_chat_template(
                 messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})

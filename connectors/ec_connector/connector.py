@@ -1,0 +1,57 @@
+"""One connector object per pod: ``has_cache_item`` (scheduler side), ``save_caches`` and
+``start_load_caches`` (worker side) over a ``BlockStore``. A store fault is a miss: the
+pod encodes the image itself, and the fault is counted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from epdserve.connectors.ec_connector.config import ECTransferConfig
+from epdserve.connectors.storage import create_store
+from epdserve.connectors.storage.transfer import EncoderOutputIO
+
+
+class ECConnector:
+    def __init__(self, config: ECTransferConfig, fingerprint: str):
+        self.config = config
+        store_config = {k: v for k, v in config.extra.items() if k != "pool"}
+        self.store = create_store(store_config)
+        self.io = EncoderOutputIO(self.store, config.pool, fingerprint)
+        self.lookups = self.found = self.loaded = self.load_failures = self.saved = 0
+
+    # scheduler side ------------------------------------------------------------------
+    def has_cache_item(self, mm_ids: Sequence[str]) -> list[bool]:
+        """Whether each item's encoder output is in the shared store (consumers only)."""
+        if not self.config.is_consumer or not mm_ids:
+            return [False] * len(mm_ids)
+        found = self.io.has(list(mm_ids))
+        self.lookups += len(mm_ids)
+        self.found += sum(found)
+        return found
+
+    # worker side ---------------------------------------------------------------------
+    def start_load_caches(
+        self, mm_ids: Sequence[str], shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
+    ) -> list[torch.Tensor | None]:
+        """Load outputs (None where the store no longer has a valid one)."""
+        outs = self.io.load(list(mm_ids), list(shapes), dtype)
+        ok = sum(o is not None for o in outs)
+        self.loaded += ok
+        self.load_failures += len(outs) - ok
+        return outs
+
+    def save_caches(self, outputs: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Store freshly computed outputs (producers only)."""
+        if self.config.is_producer and outputs:
+            self.saved += sum(self.io.save(list(outputs)))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def create_ec_connector(text: str | None, fingerprint: str) -> ECConnector | None:
+    if not text:
+        return None
+    return ECConnector(ECTransferConfig.from_json(text), fingerprint)

@@ -1,0 +1,79 @@
+"""The engine core of an ``--role encoder`` pod: the vision encoder only, no language model
+and no KV cache. Each request's images are encoded (unless the shared store already has
+them) and saved through the encoder-cache connector; the request then finishes at once,
+answering with the identifiers it stored."""
+
+from __future__ import annotations
+
+import torch
+
+from epdserve.connectors.ec_connector import create_ec_connector
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core.interfaces import EngineCoreOutput, SchedulerStats
+from epdserve.engine.kv_transfer.setup import encoder_fingerprint
+from epdserve.engine.models.loader import load_vision_encoder
+from epdserve.engine.worker.mm_inputs import EncoderOutputs
+
+
+class EncoderCore:
+    """Same loop interface as ``EngineCore`` (add / abort / step / stats)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        dtype = getattr(torch, config.dtype)
+        encoder = load_vision_encoder(config.model, dtype, torch.device(config.device))
+        if encoder is None:
+            raise ValueError(
+                "role: encoder needs an image+text model (this one has no vision tower)"
+            )
+        self.ec_connector = create_ec_connector(
+            config.ec_transfer_config, encoder_fingerprint(config.model, config.dtype)
+        )
+        self.outputs = EncoderOutputs(encoder, self.ec_connector)
+        self.pending: dict = {}
+        self.max_model_len = 1 << 20
+        self.num_blocks = 0
+        self.step_count = 0
+
+    def add_request(self, req) -> None:
+        if not req.mm_features:
+            raise ValueError("prompt: an encoder pod serves requests with images only")
+        self.pending[req.request_id] = req
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for req_id in request_ids:
+            self.pending.pop(req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> list[EngineCoreOutput]:
+        reqs, self.pending = list(self.pending.values()), {}
+        features = {f.identifier: f for r in reqs for f in r.mm_features}
+        stored = self.ec_connector.has_cache_item(list(features))
+        todo = [f for f, found in zip(features.values(), stored, strict=True) if not found]
+        self.outputs.encode(todo)  # saves through the connector
+        self.outputs.free([f.identifier for f in todo])  # the store keeps them, not this pod
+        self.step_count += 1
+        return [
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                finish_reason="stop",
+                ec_transfer_params={"mm_ids": [f.identifier for f in r.mm_features]},
+            )
+            for r in reqs
+        ]
+
+    def take_events(self) -> list:
+        return []
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_waiting=len(self.pending),
+            num_steps=self.step_count,
+            encoder_runs=self.outputs.num_runs,
+        )
+
+    def close(self) -> None:
+        self.ec_connector.close()

@@ -1,0 +1,158 @@
+"""E -> P -> D through real processes and a real redis-server: same tokens as one pod,
+and the prefill/decode pods never run the vision encoder for images the encoder stored."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import httpx
+import pytest
+from serving_support import ServerProcess
+
+
+def data_url(color) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (80, 50), color).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def body(url: str, text: str = "what is in the picture " * 3) -> dict:
+    return {
+        "model": "tiny",
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": text},
+                ],
+            }
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def pods(models, redis_server):
+    url = redis_server.url
+
+    def ec(role):
+        return json.dumps(
+            {
+                "ec_connector": "RedisECConnector",
+                "ec_role": role,
+                "ec_connector_extra_config": {"url": url},
+            }
+        )
+
+    def kv(role):
+        return json.dumps(
+            {
+                "kv_connector": "RedisConnector",
+                "kv_role": role,
+                "kv_connector_extra_config": {"url": url},
+            }
+        )
+
+    model = str(models.get("gemma3"))
+    common = ("--hash-seed", "pool-seed")
+    started = []
+    try:
+        started.append(
+            ServerProcess(
+                model,
+                "--role",
+                "encoder",
+                "--ec-transfer-config",
+                ec("ec_producer"),
+                *common,
+                api_key=None,
+            )
+        )
+        started.append(
+            ServerProcess(
+                model,
+                "--role",
+                "prefill",
+                "--kv-transfer-config",
+                kv("kv_producer"),
+                "--ec-transfer-config",
+                ec("ec_consumer"),
+                *common,
+                api_key=None,
+            )
+        )
+        started.append(
+            ServerProcess(
+                model,
+                "--role",
+                "decode",
+                "--kv-transfer-config",
+                kv("kv_consumer"),
+                "--ec-transfer-config",
+                ec("ec_consumer"),
+                *common,
+                api_key=None,
+            )
+        )
+        yield started
+    finally:
+        for srv in started:
+            srv.stop()
+
+
+def offline_text(models, url: str) -> str:
+    from epdserve.engine import LLM, SamplingParams
+
+    llm = LLM(model=str(models.get("gemma3")), max_model_len=512)
+    req = body(url)
+    return llm.chat(req["messages"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+
+
+def test_encoder_then_prefill_then_decode_equals_one_pod(pods, models, redis_url):
+    encoder, prefill, decode = pods
+    url = data_url((200, 10, 30))
+    enc = httpx.post(encoder.url + "/v1/chat/completions", json=body(url), timeout=60).json()
+    assert len(enc["ec_transfer_params"]["mm_ids"]) == 1
+    assert encoder.metric("epdserve:encoder_runs_total") == 1
+    pre = httpx.post(
+        prefill.url + "/v1/chat/completions",
+        timeout=60,
+        json={**body(url), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    ).json()
+    params = pre["kv_transfer_params"]
+    assert params and params["num_tokens"] > 16
+    dec = httpx.post(
+        decode.url + "/v1/chat/completions",
+        timeout=60,
+        json={**body(url), "kv_transfer_params": params},
+    ).json()
+    assert dec["choices"][0]["message"]["content"] == offline_text(models, url)
+    assert prefill.metric("epdserve:encoder_runs_total") == 0
+    assert prefill.metric("epdserve:encoder_loads_total") == 1
+    assert decode.metric("epdserve:encoder_runs_total") == 0
+    assert decode.metric("vllm:external_prefix_cache_hits_total") >= 16
+
+
+def test_an_image_the_encoder_never_saw_is_encoded_locally(pods, models):
+    _, prefill, _ = pods
+    url = data_url((5, 5, 250))
+    before = prefill.metric("epdserve:encoder_runs_total")
+    out = httpx.post(prefill.url + "/v1/chat/completions", json=body(url), timeout=60).json()
+    assert out["choices"][0]["message"]["content"] == offline_text(models, url)
+    assert prefill.metric("epdserve:encoder_runs_total") == before + 1
+
+
+def test_an_encoder_pod_refuses_text_only_requests(pods):
+    encoder = pods[0]
+    resp = httpx.post(
+        encoder.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
