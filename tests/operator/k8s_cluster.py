@@ -50,7 +50,7 @@ class Cluster:
         }
 
 
-def wait_for(predicate, timeout: float = 30, what: str = "condition"):
+def wait_for(predicate, timeout: float = 90, what: str = "condition"):
     """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     last = None
