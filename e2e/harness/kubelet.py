@@ -10,26 +10,16 @@ are multiplied by `time_scale` so tests run in seconds; thresholds and timeouts 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import podspec
+from container import Container, now_iso, signal_group
 from kapi import ApiError
 from netns import GATEWAY, PodNetwork
-from probes import ProbeState, run_probe
-
-PODINIT = str(Path(__file__).with_name("podinit.py"))
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 @dataclass
@@ -45,156 +35,6 @@ class NodeConfig:
     token: str = "e2e-service-account-token"
 
 
-class Container:
-    """One container of a pod: its process, restarts and probes."""
-
-    def __init__(self, pod: PodRuntime, spec: dict):
-        self.pod, self.spec, self.name = pod, spec, spec["name"]
-        self.proc: subprocess.Popen | None = None
-        self.env: dict = {}
-        self.restarts = 0
-        self.waiting = ("ContainerCreating", "")
-        self.started_at = ""
-        self.last_state: dict = {}
-        self.started = False  # the startup probe passed (or there is none)
-        self.ready = False
-        self.backoff_until = 0.0
-        self.probes: dict[str, ProbeState] = {}
-
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def start(self) -> None:
-        pod, kubelet = self.pod, self.pod.kubelet
-        try:
-            services = kubelet.api.list("Service", pod.namespace)
-            base = {**kubelet.config.image_env, "HOSTNAME": pod.name}
-            self.env = podspec.container_env(pod.obj, self.spec, kubelet.lookup, services, base)
-            argv = podspec.container_argv(self.spec, self.env)
-            mounts = pod.mounts_for(self.spec)
-            sec = podspec.security(pod.obj, self.spec)
-        except podspec.ConfigError as exc:
-            self.waiting = ("CreateContainerConfigError", str(exc))
-            self.backoff_until = time.monotonic() + 1
-            return
-        spec_file = pod.dir / f"{self.name}.json"
-        spec_file.write_text(json.dumps({"argv": argv, "env": self.env, "mounts": mounts, **sec}))
-        log = open(pod.dir / f"{self.name}.log", "ab")  # noqa: SIM115 (owned by the process)
-        log.write(f"--- {_now()} start #{self.restarts}: {argv}\n".encode())
-        log.flush()
-        cmd = ["ip", "netns", "exec", pod.netns, sys.executable, PODINIT, str(spec_file)]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={},
-            start_new_session=True,
-        )
-        log.close()
-        kubelet.started_pids.add(self.proc.pid)
-        self.waiting, self.started_at = None, _now()
-        scale, t0 = kubelet.config.time_scale, time.monotonic()
-        self.probes = {
-            kind: ProbeState(self.spec.get(kind + "Probe"), scale, t0)
-            for kind in ("startup", "liveness", "readiness")
-        }
-        self.started = self.spec.get("startupProbe") is None
-        self.ready = False
-
-    def tick(self, now: float) -> None:
-        """Restart an exited container when its back-off is over; run due probes."""
-        if self.proc is None:
-            if now >= self.backoff_until and not self.pod.stopping:
-                self.start()
-            return
-        code = self.proc.poll()
-        if code is not None:
-            self._exited(code, now)
-            return
-        self._probe(now)
-
-    def _exited(self, code: int, now: float) -> None:
-        reason = "Completed" if code == 0 else "Error"
-        self.last_state = {
-            "terminated": {
-                "exitCode": code if code >= 0 else 128 - code,
-                "reason": reason,
-                "startedAt": self.started_at,
-                "finishedAt": _now(),
-            }
-        }
-        self.proc, self.ready, self.started = None, False, False
-        self.restarts += 1
-        delay = (
-            min(300.0, 10.0 * 2 ** min(self.restarts - 1, 5)) * self.pod.kubelet.config.time_scale
-        )
-        self.backoff_until = now + delay
-        self.waiting = ("CrashLoopBackOff", f"back-off restarting failed container {self.name}")
-
-    def _probe(self, now: float) -> None:
-        ip, pid = self.pod.ip, self.proc.pid
-        if not self.started:
-            state = self.probes["startup"]
-            if state.due(now):
-                verdict = state.record(run_probe(state.probe, self.spec, ip, pid, self.env), now)
-                if verdict == "success":
-                    self.started = True
-                    self.probes["liveness"].next_at = self.probes["readiness"].next_at = now
-                elif verdict == "failure":
-                    self.kill(self.pod.grace())
-            return
-        live = self.probes["liveness"]
-        if live.due(now):
-            ok = run_probe(live.probe, self.spec, ip, pid, self.env)
-            if live.record(ok, now) == "failure":
-                self.kill(self.pod.grace())
-                return
-        ready = self.probes["readiness"]
-        if ready.probe is None:
-            self.ready = True
-        elif ready.due(now):
-            ok = run_probe(ready.probe, self.spec, ip, pid, self.env)
-            verdict = ready.record(ok, now)
-            if verdict == "success":
-                self.ready = True
-            elif verdict == "failure" or not ok and ready.failure_threshold <= 1:
-                self.ready = False
-
-    def kill(self, grace: float) -> None:
-        """SIGTERM the container's process group, SIGKILL after `grace` seconds."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        _signal_group(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace)
-        _signal_group(proc.pid, signal.SIGKILL)  # whatever is left of the group
-        proc.wait(10)
-
-    def status(self) -> dict:
-        if self.proc is not None:
-            state = {"running": {"startedAt": self.started_at}}
-        else:
-            reason, message = self.waiting or ("ContainerCreating", "")
-            state = {"waiting": {"reason": reason, "message": message}}
-        return {
-            "name": self.name,
-            "image": self.spec.get("image", ""),
-            "imageID": "",
-            "containerID": f"e2e://{self.proc.pid}" if self.proc else "",
-            "ready": self.ready and self.proc is not None,
-            "started": self.started and self.proc is not None,
-            "restartCount": self.restarts,
-            "state": state,
-            "lastState": self.last_state,
-        }
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
 class PodRuntime:
     """A pod: its network namespace, directory, containers and their loop."""
 
@@ -206,7 +46,7 @@ class PodRuntime:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.netns, self.ip = kubelet.network.add_pod()
         obj.setdefault("status", {}).update(podIP=self.ip, hostIP=GATEWAY)
-        self.start_time = _now()
+        self.start_time = now_iso()
         self.stopping = False
         self.containers = [Container(self, c) for c in obj["spec"]["containers"]]
         self.volumes: dict[str, dict] = {}
@@ -269,7 +109,7 @@ class PodRuntime:
         value = "True" if ok else "False"
         old = self.transitions.get(ctype)
         if old is None or old[0] != value:
-            self.transitions[ctype] = (value, _now())
+            self.transitions[ctype] = (value, now_iso())
         return {"type": ctype, "status": value, "lastTransitionTime": self.transitions[ctype][1]}
 
     def status(self) -> dict:
@@ -374,7 +214,7 @@ class Kubelet:
             t.join(60)
         self.pods.clear()
         for pid in self.started_pids:  # anything left of any container ever started
-            _signal_group(pid, signal.SIGKILL)
+            signal_group(pid, signal.SIGKILL)
         for top in reversed(self.made_dirs):
             for path in sorted(top.rglob("*"), key=lambda p: -len(p.parts)) + [top]:
                 with contextlib.suppress(OSError):
