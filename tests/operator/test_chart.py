@@ -119,7 +119,7 @@ def test_dashboard_has_panels_on_vllm_metrics():
         "vllm:inter_token_latency_seconds_bucket",
         "vllm:kv_cache_usage_perc",
         "vllm:prefix_cache_hits_total",
-        "epdserve:router_decisions_total",
+        "epdserve_router:requests_total",
     ):
         assert metric in exprs, metric
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
