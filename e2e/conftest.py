@@ -37,6 +37,20 @@ def runtime_mounts() -> list[dict]:
     return []
 
 
+_CLUSTERS: list = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing e2e test reports the cluster's state (pods, pools, log tails)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _CLUSTERS and item.get_closest_marker("e2e"):
+        from cluster import describe
+
+        report.sections.append(("e2e cluster state", describe(_CLUSTERS[0])))
+
+
 @pytest.fixture(scope="session")
 def e2e_workdir(tmp_path_factory) -> Path:
     from netns import can_make_namespaces
@@ -88,6 +102,8 @@ def cluster(e2e_workdir, tiny_models):
     with LocalCluster(e2e_workdir / "cluster", node, operator_env) as local:
         local.kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))
         local.start_operator()
+        _CLUSTERS.append(local)
         yield local
+        _CLUSTERS.clear()
     leaks = local.leaks()
     assert not leaks, f"left running after the e2e run: {leaks}"

@@ -283,3 +283,30 @@ def wait_for(predicate, timeout: float = 60, what: str = "condition", interval: 
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def describe(cluster: LocalCluster, tail: int = 15) -> str:
+    """Pods, pools and log tails: what a failing e2e test prints to explain itself."""
+    out = []
+    try:
+        for pod in cluster.api.list("Pod"):
+            status = pod.get("status") or {}
+            containers = status.get("containerStatuses") or [{}]
+            state = ",".join(next(iter(c.get("state") or {"?": 0})) for c in containers)
+            out.append(
+                f"pod {pod['metadata']['name']} {status.get('podIP')} phase={status.get('phase')}"
+                f" state={state} restarts={[c.get('restartCount') for c in containers]}"
+            )
+        out.append(cluster.kubectl("get", "ipool", "-o", "wide", check=False))
+    except Exception as exc:
+        out.append(f"(API not answering: {exc!r})")
+    for log in sorted((cluster.workdir / "pods").glob("*/*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-tail:]
+        out.append(f"--- {log.parent.name}/{log.name}\n" + "\n".join(lines))
+    operator_log = cluster.workdir / "operator.log"
+    if operator_log.exists():
+        lines = operator_log.read_text(errors="replace").splitlines()[-tail:]
+        out.append("--- operator\n" + "\n".join(lines))
+    errors = cluster.errors[-tail:] + (cluster.kubelet.errors[-tail:] if cluster.kubelet else [])
+    out.append("--- harness errors\n" + "\n".join(errors))
+    return "\n".join(out)
