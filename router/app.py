@@ -12,6 +12,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from epdserve.router.disagg import handle as disagg_handle
 from epdserve.router.loadstats import scrape_forever
 from epdserve.router.proxy import NoPodAvailable, open_upstream, relay, request_headers
 from epdserve.router.service import Router
@@ -36,8 +37,12 @@ def openai_error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def build_app(router: Router, settings: ProxySettings, discovery=None) -> FastAPI:
-    """The FastAPI app; background scraping and discovery live in its lifespan."""
+def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=None) -> FastAPI:
+    """The FastAPI app; background scraping and discovery live in its lifespan.
+
+    ``disagg`` (a ``DisaggRouters``) adds encoder/prefill/decode orchestration, used
+    whenever the pool has prefill and decode pods; ``discovery`` then feeds every role.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,19 +51,24 @@ def build_app(router: Router, settings: ProxySettings, discovery=None) -> FastAP
         app.state.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         if discovery is not None:
             discovery.start(router)
-        scraper = asyncio.create_task(
-            scrape_forever(app.state.client, router, settings.scrape_interval)
-        )
+        scraped = [router, *(disagg.routers() if disagg is not None else [])]
+        scrapers = [
+            asyncio.create_task(scrape_forever(app.state.client, r, settings.scrape_interval))
+            for r in scraped
+        ]
         try:
             yield
         finally:
-            scraper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await scraper
+            for scraper in scrapers:
+                scraper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scraper
             if discovery is not None:
                 discovery.stop()
             await app.state.client.aclose()
             router.close()
+            if disagg is not None:
+                disagg.close()
 
     app = FastAPI(title="epdserve router", lifespan=lifespan)
 
@@ -92,7 +102,17 @@ def build_app(router: Router, settings: ProxySettings, discovery=None) -> FastAP
             body = json.loads(await request.body() or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = {}  # the engine answers malformed JSON with its own 400
-        return await forward(request, path, body if isinstance(body, dict) else {})
+        body = body if isinstance(body, dict) else {}
+        if disagg is not None and disagg.active():
+            return await disagg_handle(
+                request.app.state.client,
+                disagg,
+                settings,
+                path,
+                body,
+                request_headers(request.headers),
+            )
+        return await forward(request, path, body)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -112,8 +132,11 @@ def build_app(router: Router, settings: ProxySettings, discovery=None) -> FastAP
 
     @app.get("/ready")
     async def ready() -> Response:
-        if router.available():
-            return JSONResponse({"ready": True, "pods": len(router.available())})
+        if router.available() or (disagg is not None and disagg.active()):
+            pods = len(router.available()) + (
+                sum(len(r.available()) for r in disagg.routers()) if disagg else 0
+            )
+            return JSONResponse({"ready": True, "pods": pods})
         return JSONResponse({"ready": False, "pods": 0}, status_code=503)
 
     @app.get("/metrics")

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="engine pod http://HOST:PORT[,events=PORT,replay=PORT] (repeat)",
     )
+    a("--prefill-endpoint", action="append", default=[], help="P/D: a prefill pod (repeat)")
+    a("--decode-endpoint", action="append", default=[], help="P/D: a decode pod (repeat)")
+    a("--encoder-endpoint", action="append", default=[], help="E/P/D: an encoder pod (repeat)")
     a("--discovery", default="static", choices=("static", "k8s"), help="how pods are found")
     a("--namespace", default="default", help="k8s discovery: namespace of the pods")
     a("--selector", default="", help="k8s discovery: label selector of the pods")
@@ -56,8 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     """Check flag combinations; raises ValueError naming the flag."""
-    if args.discovery == "static" and not args.endpoint:
-        raise ValueError("--endpoint is required with --discovery static")
+    pd = args.prefill_endpoint or args.decode_endpoint or args.encoder_endpoint
+    if args.discovery == "static" and not (args.endpoint or pd):
+        raise ValueError(
+            "--endpoint (or --prefill-endpoint and --decode-endpoint) is required "
+            "with --discovery static"
+        )
+    if args.discovery == "static" and pd and not (args.prefill_endpoint and args.decode_endpoint):
+        raise ValueError("P/D needs both --prefill-endpoint and --decode-endpoint")
     if args.discovery == "k8s" and not args.selector:
         raise ValueError("--selector is required with --discovery k8s")
     if args.index_capacity < 1:
@@ -68,11 +77,16 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--scrape-interval must be > 0")
 
 
+ROLE_LABEL = "epdserve.io/role"
+
+
 def build(args: argparse.Namespace):
     """The FastAPI app for these flags (tests call this too)."""
     from epdserve.router.app import ProxySettings, build_app
-    from epdserve.router.discovery import KubernetesDiscovery, StaticDiscovery
+    from epdserve.router.disagg import DisaggRouters
+    from epdserve.router.discovery import KubernetesDiscovery, RoleDiscovery, StaticDiscovery
     from epdserve.router.index import PrefixIndex
+    from epdserve.router.metrics import RouterMetrics
     from epdserve.router.pods import PodEndpoint
     from epdserve.router.service import Router
     from epdserve.router.strategy import make_strategy
@@ -90,33 +104,64 @@ def build(args: argparse.Namespace):
     strategy = make_strategy(args.strategy, **weights)
     tokenizer = PromptTokenizer(args.model) if args.model else None
     replay = args.kv_replay_port or None
-    router = Router(
-        strategy,
-        tokenizer,
-        args.served_model_name,
-        PrefixIndex(args.index_capacity),
-        speculative_ttl=args.speculative_ttl,
-        default_block_size=args.block_size,
-    )
+    metrics = RouterMetrics()
+
+    def new_router(role_strategy=strategy) -> Router:
+        return Router(
+            role_strategy,
+            tokenizer,
+            args.served_model_name,
+            PrefixIndex(args.index_capacity),
+            metrics=metrics,
+            speculative_ttl=args.speculative_ttl,
+            default_block_size=args.block_size,
+        )
+
+    router = new_router()
+    disagg = None
     if args.discovery == "static":
         endpoints = [PodEndpoint.parse(u, args.kv_events_port, replay) for u in args.endpoint]
-        discovery = StaticDiscovery(endpoints)
+        pairs = [(router, StaticDiscovery(endpoints))]
+        if args.prefill_endpoint or args.decode_endpoint:
+            disagg = DisaggRouters(
+                new_router(), new_router(), new_router(make_strategy("least-load"))
+            )
+            for role_router, specs in (
+                (disagg.prefill, args.prefill_endpoint),
+                (disagg.decode, args.decode_endpoint),
+                (disagg.encoder, args.encoder_endpoint),
+            ):
+                eps = [PodEndpoint.parse(u, args.kv_events_port, replay) for u in specs]
+                pairs.append((role_router, StaticDiscovery(eps)))
     else:
-        discovery = KubernetesDiscovery(
-            args.namespace,
-            args.selector,
-            args.target_port,
-            args.kv_events_port,
-            replay,
-            kubeconfig=args.kubeconfig,
-        )
+
+        def k8s(selector: str) -> KubernetesDiscovery:
+            return KubernetesDiscovery(
+                args.namespace,
+                selector,
+                args.target_port,
+                args.kv_events_port,
+                replay,
+                kubeconfig=args.kubeconfig,
+            )
+
+        if ROLE_LABEL in args.selector:  # the caller already picked one role
+            pairs = [(router, k8s(args.selector))]
+        else:  # a whole pool: split its pods by role
+            disagg = DisaggRouters(
+                new_router(), new_router(), new_router(make_strategy("least-load"))
+            )
+            pairs = [(router, k8s(f"{args.selector},{ROLE_LABEL}=colocated"))]
+            for role in ("prefill", "decode", "encoder"):
+                pairs.append((getattr(disagg, role), k8s(f"{args.selector},{ROLE_LABEL}={role}")))
+    discovery = RoleDiscovery(pairs)
     settings = ProxySettings(
         connect_timeout=args.connect_timeout,
         upstream_timeout=args.upstream_timeout,
         max_attempts=args.max_attempts,
         scrape_interval=args.scrape_interval,
     )
-    return build_app(router, settings, discovery)
+    return build_app(router, settings, discovery, disagg)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -170,3 +170,18 @@ class KubernetesDiscovery:
             router.add_pod(endpoint)
         elif name in self._known:
             router.remove_pod(self._known.pop(name))
+
+
+class RoleDiscovery:
+    """Several discoveries, each feeding its own router (one per pod role)."""
+
+    def __init__(self, pairs: list) -> None:
+        self.pairs = pairs  # [(router, discovery)]
+
+    def start(self, _router=None) -> None:
+        for router, discovery in self.pairs:
+            discovery.start(router)
+
+    def stop(self) -> None:
+        for _, discovery in self.pairs:
+            discovery.stop()

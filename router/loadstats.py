@@ -58,11 +58,17 @@ async def _scrape(client: httpx.AsyncClient, router: Router, name: str, timeout:
     except httpx.HTTPError as exc:
         router.metrics.scrape_errors.labels(name).inc()
         log.debug("scrape of %s failed: %s", name, exc)
-        router.set_health(name, False)
+        await _set_health(router, state, False)
         return
     for field, value in parse_load(response.text).items():
         setattr(state, field, value)
-    router.set_health(name, True)
+    await _set_health(router, state, True)
+
+
+async def _set_health(router: Router, state, healthy: bool) -> None:
+    # a change starts or joins a subscriber thread: keep that off the event loop
+    if state.healthy != healthy:
+        await asyncio.to_thread(router.set_health, state.name, healthy)
 
 
 async def scrape_forever(client: httpx.AsyncClient, router: Router, interval: float) -> None:
