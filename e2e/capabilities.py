@@ -21,9 +21,10 @@ def _router_flags() -> set[str]:
 
 
 def _discovery_reads_roles() -> bool:
-    from epdserve.router import discovery
+    """Whether k8s discovery splits a pool's pods by their `epdserve.io/role` label."""
+    from epdserve.router import cli, discovery
 
-    return "epdserve.io/role" in inspect.getsource(discovery)
+    return any("epdserve.io/role" in inspect.getsource(m) for m in (cli, discovery))
 
 
 def pd_routing_gap() -> str | None:

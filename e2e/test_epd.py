@@ -24,6 +24,12 @@ def image_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def chat(url: str, body: dict) -> dict:
+    answer = httpx.post(url, json=body, timeout=180)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
 def encoder_cache_hits(text: str) -> float:
     """Sum of every sample whose metric name mentions encoder cache hits."""
     total = 0.0
@@ -64,11 +70,11 @@ def test_epd_pool_answers_an_image_chat_and_reuses_encoder_outputs(cluster, e2e_
         ]
         body = {"model": served, "messages": [{"role": "user", "content": content}]}
         body.update(max_tokens=8, temperature=0)
-        first = httpx.post(router, json=body, timeout=180).json()
+        first = chat(router, body)
         assert first["choices"][0]["message"]["content"]
         (encoder_ip,) = ready_pod_ips(cluster, f"epdserve.io/pool={name},epdserve.io/role=encoder")
         before = encoder_cache_hits(httpx.get(f"http://{encoder_ip}:8000/metrics").text)
-        again = httpx.post(router, json=body, timeout=180).json()
+        again = chat(router, body)
         assert (
             again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
         )
