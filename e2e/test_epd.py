@@ -40,6 +40,13 @@ def encoder_cache_hits(text: str) -> float:
     return total
 
 
+def pool_hits(ips: list[str]) -> float:
+    """Encoder-cache hits over the pool's engine pods (encoder, prefill and decode)."""
+    return sum(
+        encoder_cache_hits(httpx.get(f"http://{ip}:8000/metrics", timeout=10).text) for ip in ips
+    )
+
+
 def test_epd_pool_answers_an_image_chat_and_reuses_encoder_outputs(cluster, e2e_workdir, tmp_path):
     gap = encoder_role_gap()
     if gap:
@@ -72,13 +79,13 @@ def test_epd_pool_answers_an_image_chat_and_reuses_encoder_outputs(cluster, e2e_
         body.update(max_tokens=8, temperature=0)
         first = chat(router, body)
         assert first["choices"][0]["message"]["content"]
-        (encoder_ip,) = ready_pod_ips(cluster, f"epdserve.io/pool={name},epdserve.io/role=encoder")
-        before = encoder_cache_hits(httpx.get(f"http://{encoder_ip}:8000/metrics").text)
+        engines = ready_pod_ips(cluster, f"epdserve.io/pool={name}")
+        before = pool_hits(engines)
         again = chat(router, body)
         assert (
             again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
         )
-        after = encoder_cache_hits(httpx.get(f"http://{encoder_ip}:8000/metrics").text)
+        after = pool_hits(engines)
         assert after > before, "the repeated image was encoded again"
     finally:
         cluster.kubectl("delete", "ipool", name, "--ignore-not-found", check=False)
