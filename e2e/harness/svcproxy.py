@@ -74,7 +74,9 @@ class ServiceProxy:
             writer.close()
             return
         up_reader, up_writer = upstream
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        await asyncio.gather(
+            _pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True
+        )
 
     def close(self) -> None:
         """Close every listener and connection, then stop the loop's thread."""
@@ -82,8 +84,10 @@ class ServiceProxy:
             self.remove(*key)
 
         async def cancel_all():
-            for task in list(self._conns):
+            tasks = list(self._conns)
+            for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         self._call(cancel_all())
         self.loop.call_soon_threadsafe(self.loop.stop)
