@@ -8,6 +8,9 @@ now; the second goes through the router and skips until the router has a P/D mod
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 from capabilities import pd_routing_gap
@@ -103,3 +106,37 @@ def test_pd_pool_through_its_router_answers_like_a_colocated_pod(pools):
     (router_ip,) = ready_pod_ips(cluster, f"epdserve.io/router={name}")
     routed = metrics(router_ip)
     assert metric_total(routed, "epdserve_router:requests_total", reason="prefix_hit") > 0
+
+
+def test_scaling_decode_up_adds_pods_to_routing(pools):
+    gap = pd_routing_gap()
+    if gap:
+        pytest.skip(gap)
+    cluster, name, served = pools
+    patch = '{"spec": {"roles": {"decode": {"replicas": 3}}}}'
+    cluster.kubectl("patch", "ipool", name, "--type=merge", "-p", patch)
+    cluster.kubectl(
+        "wait",
+        f"ipool/{name}",
+        "--for=jsonpath={.status.roles.decode.ready}=3",
+        "--timeout=180s",
+        timeout=200,
+    )
+    decode_ips = ready_pod_ips(cluster, f"epdserve.io/pool={name},epdserve.io/role=decode")
+    assert len(decode_ips) == 3
+    router = f"http://{cluster.service_ip(NS, name)}"
+
+    def every_decode_pod_generated() -> bool:
+        threads = [
+            threading.Thread(target=complete, args=(router, served, f"scale {time.time()} {i}"))
+            for i in range(6)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return all(
+            metric_total(metrics(ip), "vllm:generation_tokens_total") > 0 for ip in decode_ips
+        )
+
+    wait_for(every_decode_pod_generated, 120, "answers from every decode pod", interval=0)
