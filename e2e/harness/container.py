@@ -36,6 +36,8 @@ class Container:
         self.started = False  # the startup probe passed (or there is none)
         self.ready = False
         self.backoff_until = 0.0
+        self.backoff_step = 0  # restarts in a row without a long enough run in between
+        self.started_mono = 0.0
         self.probes: dict[str, ProbeState] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -70,6 +72,7 @@ class Container:
         log.close()
         kubelet.started_pids.add(self.proc.pid)
         self.waiting, self.started_at = None, now_iso()
+        self.started_mono = time.monotonic()
         scale, t0 = kubelet.config.time_scale, time.monotonic()
         self.probes = {
             kind: ProbeState(self.spec.get(kind + "Probe"), scale, t0)
@@ -102,10 +105,11 @@ class Container:
         }
         self.proc, self.ready, self.started = None, False, False
         self.restarts += 1
-        delay = (
-            min(300.0, 10.0 * 2 ** min(self.restarts - 1, 5)) * self.pod.kubelet.config.time_scale
-        )
-        self.backoff_until = now + delay
+        scale = self.pod.kubelet.config.time_scale
+        if now - self.started_mono > 600 * scale:  # ran 10 (scaled) minutes: back-off resets
+            self.backoff_step = 0
+        self.backoff_until = now + min(300.0, 10.0 * 2**self.backoff_step) * scale
+        self.backoff_step = min(self.backoff_step + 1, 5)
         self.waiting = ("CrashLoopBackOff", f"back-off restarting failed container {self.name}")
 
     def _probe(self, now: float) -> None:
@@ -134,7 +138,7 @@ class Container:
             verdict = ready.record(ok, now)
             if verdict == "success":
                 self.ready = True
-            elif verdict == "failure" or not ok and ready.failure_threshold <= 1:
+            elif verdict == "failure":
                 self.ready = False
 
     def kill(self, grace: float) -> None:
@@ -149,7 +153,9 @@ class Container:
         proc.wait(10)
 
     def status(self) -> dict:
-        if self.proc is not None:
+        """The containerStatuses entry (read from the kubelet's thread: one look at proc)."""
+        proc = self.proc
+        if proc is not None:
             state = {"running": {"startedAt": self.started_at}}
         else:
             reason, message = self.waiting or ("ContainerCreating", "")
@@ -158,9 +164,9 @@ class Container:
             "name": self.name,
             "image": self.spec.get("image", ""),
             "imageID": "",
-            "containerID": f"e2e://{self.proc.pid}" if self.proc else "",
-            "ready": self.ready and self.proc is not None,
-            "started": self.started and self.proc is not None,
+            "containerID": f"e2e://{proc.pid}" if proc else "",
+            "ready": self.ready and proc is not None,
+            "started": self.started and proc is not None,
             "restartCount": self.restarts,
             "state": state,
             "lastState": self.last_state,
