@@ -60,23 +60,23 @@ def run_tenants(url: str, seed: int, n: int = 30) -> None:
         for _ in range(n):
             prompt = tenants[rng.randrange(3)] + [rng.randrange(10, 4000) for _ in range(12)]
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
-            seen = stored_events(url)
+            seen = events_seen(url)
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
-            # each request stores at least its suffix block: wait for that event to arrive
+            # each request stores at least its suffix block: wait for that step's events
             deadline = time.monotonic() + 3
-            while stored_events(url) == seen and time.monotonic() < deadline:
+            while events_seen(url) == seen and time.monotonic() < deadline:
                 time.sleep(0.02)
 
 
-def stored_events(router_url: str) -> float:
+def events_seen(router_url: str) -> float:
+    """Events the router applied plus batches it rejected (either way: it has seen them)."""
     text = httpx.get(router_url + "/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("epdserve_router:kv_events_received_total{")
-        and 'type="BlockStored"' in line
+    prefixes = (
+        "epdserve_router:kv_events_received_total{",
+        "epdserve_router:kv_event_batches_invalid_total{",
     )
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(prefixes))
 
 
 def test_prefix_routing_sends_shared_prefixes_to_the_pod_holding_them(
