@@ -141,7 +141,6 @@ async def run_prefill(
 
 
 async def handle(
-    request,
     client: httpx.AsyncClient,
     routers: DisaggRouters,
     settings,

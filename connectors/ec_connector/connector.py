@@ -31,6 +31,10 @@ class ECConnector:
         self.found += sum(found)
         return found
 
+    def stored(self, mm_ids: Sequence[str]) -> list[bool]:
+        """Whether each item is in the store, whatever the role (producers skip re-encoding)."""
+        return self.io.has(list(mm_ids)) if mm_ids else []
+
     # worker side ---------------------------------------------------------------------
     def start_load_caches(
         self, mm_ids: Sequence[str], shapes: Sequence[tuple[int, ...]], dtype: torch.dtype

@@ -50,7 +50,7 @@ class EncoderCore:
     def step(self) -> list[EngineCoreOutput]:
         reqs, self.pending = list(self.pending.values()), {}
         features = {f.identifier: f for r in reqs for f in r.mm_features}
-        stored = self.ec_connector.has_cache_item(list(features))
+        stored = self.ec_connector.stored(list(features))
         todo = [f for f, found in zip(features.values(), stored, strict=True) if not found]
         self.outputs.encode(todo)  # saves through the connector
         self.outputs.free([f.identifier for f in todo])  # the store keeps them, not this pod
