@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mode",
         choices=MODES,
-        default="colocated",
+        default="pd",
         help="colocated engines, prefill/decode, or encoder/prefill/decode",
     )
     p.add_argument("--replicas", type=int, default=1, help="engine pods (colocated mode)")

@@ -53,6 +53,8 @@ def test_up_serves_through_the_router_and_ctrl_c_stops_everything(models, tmp_pa
             str(models.get("llama")),
             "--port",
             str(port),
+            "--mode",
+            "colocated",
             "--replicas",
             "2",
             "--kv-cache-memory",
