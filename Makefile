@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: run test install redis lint format clean
 
-run: $(STAMP)
+run: $(STAMP) redis
 	@test -f $(MODEL)/config.json || $(BIN)/epdserve make-model --arch llama --out $(MODEL) --seed 0
 	$(BIN)/epdserve up --model $(MODEL) --host 127.0.0.1 --port 8000 $(UP_ARGS)
 
