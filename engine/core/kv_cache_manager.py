@@ -77,6 +77,9 @@ class KVCacheManager:
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
+            # cache hits are already named: events for later blocks chain from the last hit
+            rid = request.request_id
+            self.num_cached_blocks[rid] = max(self.num_cached_blocks.get(rid, 0), len(blocks))
         new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
         blocks.extend(new_blocks)
         if not delay_cache:

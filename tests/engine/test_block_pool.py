@@ -146,3 +146,17 @@ def test_output_tokens_extend_the_hash_list_when_a_block_fills():
     assert len(r.block_hashes) == 1
     r.append_output_token_ids([8])
     assert len(r.block_hashes) == 2
+
+
+def test_blocks_stored_after_a_prefix_hit_chain_from_the_last_hit_block():
+    kv = KVCacheManager(10, BS, enable_events=True)
+    first = make_request("a", list(range(9)))  # two full blocks cached
+    kv.allocate_slots(first, 9)
+    kv.take_events()
+    second = make_request("b", list(range(13)))  # same two blocks, then a third
+    hits, n = kv.get_computed_blocks(second)
+    kv.allocate_slots(second, 13 - n, n, hits)
+    (stored,) = kv.take_events()
+    assert stored.block_hashes == [second.block_hashes[2]]
+    assert stored.parent_block_hash == second.block_hashes[1]
+    assert stored.token_ids == list(range(8, 12))
