@@ -101,7 +101,10 @@ def decode_roofline(model_dir: str, dtype: str, batch: int, ctx: int, iters: int
             )
         )
     engine.step()  # prefill everything (budget permitting)
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+    # every prompt admitted and prefilled: the timed steps are pure decode
+    while engine.scheduler.waiting or any(
+        r.num_output_tokens == 0 for r in engine.scheduler.running
+    ):
         engine.step()
     fwd = [0.0]
     orig = model.forward
