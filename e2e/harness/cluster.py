@@ -287,9 +287,10 @@ def wait_for(predicate, timeout: float = 60, what: str = "condition", interval: 
 
 def describe(cluster: LocalCluster, tail: int = 15) -> str:
     """Pods, pools and log tails: what a failing e2e test prints to explain itself."""
-    out = []
+    out, live = [], set()
     try:
         for pod in cluster.api.list("Pod"):
+            live.add(f"{pod['metadata']['namespace']}_{pod['metadata']['name']}")
             status = pod.get("status") or {}
             containers = status.get("containerStatuses") or [{}]
             state = ",".join(next(iter(c.get("state") or {"?": 0})) for c in containers)
@@ -301,6 +302,8 @@ def describe(cluster: LocalCluster, tail: int = 15) -> str:
     except Exception as exc:
         out.append(f"(API not answering: {exc!r})")
     for log in sorted((cluster.workdir / "pods").glob("*/*.log")):
+        if live and log.parent.name not in live:
+            continue  # pods of earlier tests
         lines = log.read_text(errors="replace").splitlines()[-tail:]
         out.append(f"--- {log.parent.name}/{log.name}\n" + "\n".join(lines))
     operator_log = cluster.workdir / "operator.log"
