@@ -67,11 +67,6 @@ def test_kubectl_apply_of_the_colocated_example_serves_streamed_chat(cluster, tm
         )
 
 
-@pytest.mark.xfail(
-    reason="service links: the Service `epdserve` puts EPDSERVE_PORT=tcp://... into every pod "
-    "and `epdserve serve` reads it as --port; the operator must set enableServiceLinks: false",
-    strict=False,
-)
 def test_a_pool_named_epdserve_starts(cluster, tmp_path):
     pool = for_this_machine(example("colocated-text"), MODEL_PATH, replicas={"colocated": 1})
     pool["metadata"]["name"] = "epdserve"

@@ -24,19 +24,6 @@ def image_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-KNOWN_BUG = (
-    "decode engine core dies (KeyError in engine/worker/mm_inputs.py place_image_embeddings) "
-    "when it recomputes image tokens whose encoder output it has not loaded"
-)
-
-
-def decode_core_crashed_on_missing_image(cluster, pool: str) -> bool:
-    """The known engine bug, recognised from the decode pods' logs (nothing else is excused)."""
-    pods = cluster.pods(NS, f"epdserve.io/pool={pool},epdserve.io/role=decode")
-    logs = "".join(cluster.log(NS, p["metadata"]["name"]) for p in pods)
-    return "place_image_embeddings" in logs and "KeyError" in logs
-
-
 def chat(url: str, body: dict) -> dict:
     answer = httpx.post(url, json=body, timeout=180)
     assert answer.status_code == 200, answer.text
@@ -91,8 +78,6 @@ def test_epd_pool_answers_an_image_chat_and_reuses_encoder_outputs(cluster, e2e_
         body = {"model": served, "messages": [{"role": "user", "content": content}]}
         body.update(max_tokens=8, temperature=0)
         answer = httpx.post(router, json=body, timeout=180)
-        if answer.status_code != 200 and decode_core_crashed_on_missing_image(cluster, name):
-            pytest.xfail(KNOWN_BUG)
         assert answer.status_code == 200, answer.text
         first = answer.json()
         assert first["choices"][0]["message"]["content"]

@@ -74,6 +74,7 @@ def build_redis_deployment(pool: PoolSpec) -> dict:
                     "metadata": {"labels": labels},
                     "spec": {
                         "automountServiceAccountToken": False,
+                        "enableServiceLinks": False,
                         "securityContext": meta.pod_security_context(),
                         "containers": [container],
                         "volumes": [{"name": "data", "emptyDir": {}}],

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     kopf.configure(verbose=args.verbose)
     kopf.run(
         standalone=True,
-        namespaces=args.namespace or None,
+        namespaces=args.namespace,  # empty with clusterwide=True (None crashes kopf)
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness or None,
     )

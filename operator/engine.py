@@ -25,9 +25,10 @@ def redis_url(pool: PoolSpec) -> str:
 
 
 def _extra_config(pool: PoolSpec) -> dict:
+    # the pool name keys every stored block (epd:kv:{pool}:...), so pools never mix
     if pool.cache.backend == "redis":
-        return {"url": redis_url(pool)}
-    return {"path": pool.cache.storage_path.rstrip("/") + "/kv"}
+        return {"url": redis_url(pool), "pool": pool.name}
+    return {"path": pool.cache.storage_path.rstrip("/") + "/kv", "pool": pool.name}
 
 
 def kv_transfer_config(pool: PoolSpec, role: str) -> dict | None:
@@ -47,7 +48,7 @@ def ec_transfer_config(pool: PoolSpec, role: str) -> dict | None:
         return None
     extra = _extra_config(pool)
     if "path" in extra:
-        extra = {"path": pool.cache.storage_path.rstrip("/") + "/ec"}
+        extra = {"path": pool.cache.storage_path.rstrip("/") + "/ec", "pool": pool.name}
     return {
         "ec_connector": CONNECTORS[pool.cache.backend][1],
         "ec_role": EC_ROLE[role],
@@ -214,6 +215,7 @@ def build_engine_deployment(pool: PoolSpec, role: str, config_hash: str = "") ->
     }
     pod_spec = {
         "automountServiceAccountToken": False,
+        "enableServiceLinks": False,  # a Service named epdserve would inject EPDSERVE_PORT
         "securityContext": meta.pod_security_context(),
         "containers": [container],
         "volumes": volumes,

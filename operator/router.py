@@ -123,6 +123,7 @@ def build_router_deployment(pool: PoolSpec) -> dict:
     }
     pod_spec = {
         "serviceAccountName": meta.name_of(pool, "router"),
+        "enableServiceLinks": False,
         "securityContext": meta.pod_security_context(),
         "containers": [container],
         "volumes": [

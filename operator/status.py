@@ -10,7 +10,10 @@ def ready_replicas(deployment: dict | None) -> int:
     status = deployment.get("status") or {}
     ready = int(status.get("readyReplicas") or 0)
     if "updatedReplicas" in status:
-        ready = min(ready, int(status["updatedReplicas"] or 0))
+        updated = int(status["updatedReplicas"] or 0)
+        # during a rollout, ready pods may still be old ones: count only what must be new
+        old = int(status.get("replicas") or 0) - updated
+        ready = max(0, min(ready, updated, ready - old))
     generation = (deployment.get("metadata") or {}).get("generation")
     observed = status.get("observedGeneration")
     if generation is not None and observed is not None and observed < generation:

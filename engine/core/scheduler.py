@@ -168,6 +168,10 @@ class Scheduler:
         if self.kv.has_blocks(request.request_id):  # a finished load left its blocks
             num_hit_tokens = request.num_computed_tokens
             n = min(request.num_tokens - num_hit_tokens, budget)
+            if request.mm_features:  # images past the loaded blocks still need encoding
+                n = self.encoder.fit(request, num_hit_tokens, n)
+                if n <= 0:
+                    return LoadStart.NO_ROOM
             if self.kv.allocate_slots(request, n) is None:
                 return LoadStart.NO_ROOM
             return num_hit_tokens, n

@@ -76,7 +76,10 @@ def place_image_embeddings(
             a, b = max(f.offset, start), min(f.end, start + n)
             if a >= b:
                 continue
-            out = outputs.outputs[f.identifier]
+            out = outputs.outputs.get(f.identifier)
+            if out is None:  # not scheduled for encoding (should not happen): encode, don't die
+                outputs.encode([f])
+                out = outputs.outputs[f.identifier]
             row = int(qsl[i]) + a - start
             embeds[row : row + (b - a)] = out[a - f.offset : b - f.offset].to(embeds.dtype)
             spans.append((i, f.offset, f.end))

@@ -73,7 +73,10 @@ def test_kv_roles_follow_the_pool_shape():
     assert engine.kv_transfer_config(pd, "decode") == {
         "kv_connector": "RedisConnector",
         "kv_role": "kv_consumer",
-        "kv_connector_extra_config": {"url": "redis://llama-pd-redis.default.svc:6379/0"},
+        "kv_connector_extra_config": {
+            "url": "redis://llama-pd-redis.default.svc:6379/0",
+            "pool": "llama-pd",  # stored blocks are keyed by pool
+        },
     }
     assert engine.ec_transfer_config(pd, "prefill") is None  # no encoder pods: no EC connector
     cached = parse_pool(
@@ -88,7 +91,7 @@ def test_encoder_outputs_flow_from_encoder_to_prefill_and_decode():
     assert engine.ec_transfer_config(pool, "encoder") == {
         "ec_connector": "SharedStorageECConnector",
         "ec_role": "ec_producer",
-        "ec_connector_extra_config": {"path": "/cache/ec"},
+        "ec_connector_extra_config": {"path": "/cache/ec", "pool": "gemma3-epd"},
     }
     assert engine.ec_transfer_config(pool, "decode")["ec_role"] == "ec_consumer"
     assert engine.kv_transfer_config(pool, "encoder") is None
@@ -96,7 +99,8 @@ def test_encoder_outputs_flow_from_encoder_to_prefill_and_decode():
     assert "EPDSERVE_KV_EVENTS_CONFIG" not in encoder_env  # encoders hold no KV cache
     config = engine.build_config_map(pool)["data"]
     assert json.loads(config["kv-transfer-prefill.json"])["kv_connector_extra_config"] == {
-        "path": "/cache/kv"
+        "path": "/cache/kv",
+        "pool": "gemma3-epd",
     }
 
 

@@ -72,5 +72,6 @@ def test_a_decode_pod_without_a_connector_is_refused(monkeypatch):
     assert "kv_transfer_config" in refusal(monkeypatch, "--role", "decode")
 
 
-def test_the_encoder_role_is_refused_clearly(monkeypatch):
-    assert "--role encoder is not available" in refusal(monkeypatch, "--role", "encoder")
+def test_the_encoder_role_without_an_encoder_cache_connector_is_refused_clearly(monkeypatch):
+    message = refusal(monkeypatch, "--role", "encoder")
+    assert "ec_transfer_config" in message and "ec_producer" in message
