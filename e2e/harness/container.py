@@ -56,7 +56,11 @@ class Container:
             self.backoff_until = time.monotonic() + 1
             return
         spec_file = pod.dir / f"{self.name}.json"
-        spec_file.write_text(json.dumps({"argv": argv, "env": self.env, "mounts": mounts, **sec}))
+        # the "image" is this checkout and its venv: they stay visible even under a volume
+        # mounted over one of their parents (a clean checkout may live under /tmp)
+        keep = sorted({str(Path(sys.prefix).resolve()), str(Path(PODINIT).resolve().parents[2])})
+        spec = {"argv": argv, "env": self.env, "mounts": mounts, "keep": keep, **sec}
+        spec_file.write_text(json.dumps(spec))
         log = open(pod.dir / f"{self.name}.log", "ab")  # noqa: SIM115 (owned by the process)
         log.write(f"--- {now_iso()} start #{self.restarts}: {argv}\n".encode())
         log.flush()

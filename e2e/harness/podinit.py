@@ -27,16 +27,27 @@ def _mount(src: str | None, dst: str, fstype: str | None, flags: int, data: str 
         raise OSError(err, f"mount {src} -> {dst}: {os.strerror(err)}")
 
 
-def lay_out(mounts: list[dict], read_only_root: bool) -> None:
-    """Mount every volume (parents first), then make `/` read-only if asked."""
+def lay_out(mounts: list[dict], read_only_root: bool, keep: list[str] = ()) -> None:
+    """Mount every volume (parents first), then make `/` read-only if asked.
+
+    Paths in ``keep`` (the image's own files: the checkout and its venv) are bound back in
+    place when a volume is mounted over one of their parents (e.g. an emptyDir on /tmp).
+    """
     mounts = sorted(mounts, key=lambda m: m["path"].rstrip("/").count("/"))
     fds = {i: os.open(m["source"], os.O_PATH) for i, m in enumerate(mounts) if m.get("source")}
+    kept = {p: os.open(p, os.O_PATH) for p in keep if os.path.exists(p)}
     for i, m in enumerate(mounts):
         os.makedirs(m["path"], exist_ok=True)  # inside an earlier volume, or made by the kubelet
         if m.get("source"):
             _mount(f"/proc/self/fd/{fds[i]}", m["path"], None, MS_BIND | MS_REC)
         else:
             _mount("tmpfs", m["path"], "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    for path, fd in kept.items():
+        parents = [m["path"].rstrip("/") + "/" for m in mounts]
+        if any(path.startswith(p) for p in parents):  # hidden by a volume: bind it back
+            os.makedirs(path, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
     for m in mounts:  # after all: a read-only volume may hold mount points of later ones
         if m.get("readOnly"):
             _mount(None, m["path"], None, MS_REMOUNT | MS_BIND | MS_RDONLY)
@@ -60,7 +71,7 @@ def drop_privileges(uid: int | None, gid: int | None, groups: list[int], no_new_
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    lay_out(spec["mounts"], spec.get("readOnlyRoot", False))
+    lay_out(spec["mounts"], spec.get("readOnlyRoot", False), spec.get("keep", []))
     drop_privileges(spec.get("uid"), spec.get("gid"), spec.get("groups", []), spec["noNewPrivs"])
     os.chdir(spec.get("workingDir") or "/")
     argv, env = spec["argv"], spec["env"]
