@@ -70,8 +70,6 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     family = TEXT_ARCHITECTURES[arch]
     if family == "gemma3":
         return _gemma3(arch, raw, top)
-    heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     rope = dict(raw.get("rope_parameters") or {})
     if not rope:  # older configs: rope_theta + rope_scaling
         rope = dict(raw.get("rope_scaling") or {})
@@ -80,9 +78,20 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     sliding = raw.get("sliding_window") if family == "mistral" else None
     if family == "qwen2" and raw.get("use_sliding_window"):
         sliding = raw.get("sliding_window")
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
+        **_common_fields(arch, family, raw, raw.get("eos_token_id")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope=rope,
+        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        sliding_window=sliding,
+    )
+
+
+def _common_fields(arch: str, family: str, raw: dict, eos) -> dict:
+    """The fields every decoder family reads the same way."""
+    heads = raw["num_attention_heads"]
+    return dict(
         architecture=arch,
         family=family,
         vocab_size=raw["vocab_size"],
@@ -91,21 +100,15 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         num_layers=raw["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        rope=rope,
-        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
-        sliding_window=sliding,
-        eos_token_ids=eos_ids,
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         bos_token_id=raw.get("bos_token_id"),
     )
 
 
 def _gemma3(arch: str, raw: dict, top: dict) -> ModelConfig:
-    heads = raw["num_attention_heads"]
     layer_types = tuple(raw.get("layer_types") or ())
     if not layer_types:
         pattern = raw.get("sliding_window_pattern", 6)
@@ -126,25 +129,11 @@ def _gemma3(arch: str, raw: dict, top: dict) -> ModelConfig:
                 "rope_theta": raw.get("rope_local_base_freq", 1e4),
             },
         }
-    eos = raw.get("eos_token_id", top.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
-        architecture=arch,
-        family="gemma3",
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        **_common_fields(arch, "gemma3", raw, raw.get("eos_token_id", top.get("eos_token_id"))),
         tie_word_embeddings=True,
         qk_norm=True,
         sliding_window=raw.get("sliding_window"),
-        eos_token_ids=eos_ids,
-        bos_token_id=raw.get("bos_token_id"),
         layer_types=layer_types,
         rope_by_layer_type=rope,
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),

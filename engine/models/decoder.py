@@ -91,30 +91,52 @@ class DecoderLM:
     def _attention(self, layer: DecoderLayer, x, meta, k_cache, v_cache) -> torch.Tensor:
         cfg = self.config
         qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
-        t = x.shape[0]
-        q = qkv[:, : cfg.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q.contiguous(), layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k.contiguous(), layer.k_norm, cfg.rms_norm_eps)
-        else:
-            q, k = q.contiguous(), k.contiguous()
-        q, k = rotary_embedding(meta.positions, q, k, self.rope_cache, True)
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_table,
-            meta.seq_lens,
-            meta.query_start_loc,
-            self.scale,
-            sliding_window=cfg.sliding_window,
+        norms = (layer.q_norm, layer.k_norm) if cfg.qk_norm else None
+        out, _ = self_attention(
+            cfg, qkv, meta, k_cache, v_cache, norms, self.rope_cache, self.scale, cfg.sliding_window
         )
-        return F.linear(out.reshape(t, cfg.q_size), layer.o_w)
+        return F.linear(out.reshape(x.shape[0], cfg.q_size), layer.o_w)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
+
+
+def self_attention(
+    cfg: ModelConfig,
+    qkv: torch.Tensor,
+    meta: AttentionMetadata,
+    k_cache,
+    v_cache,
+    qk_norms,
+    rope: torch.Tensor,
+    scale: float,
+    window=None,
+    soft_cap=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split fused q|k|v, apply per-head q/k norms (if given) and rope, write k/v into the
+    paged cache, attend. Returns ``(out [T, H, D], q)``."""
+    t = qkv.shape[0]
+    q = qkv[:, : cfg.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
+    k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if qk_norms is not None:
+        q = rms_norm(q.contiguous(), qk_norms[0], cfg.rms_norm_eps)
+        k = rms_norm(k.contiguous(), qk_norms[1], cfg.rms_norm_eps)
+    else:
+        q, k = q.contiguous(), k.contiguous()
+    q, k = rotary_embedding(meta.positions, q, k, rope, True)
+    reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_table,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale,
+        sliding_window=window,
+        soft_cap=soft_cap,
+    )
+    return out, q

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from epdserve.engine.models.bidirectional import attend_spans
 from epdserve.engine.models.config import ModelConfig
-from epdserve.engine.models.decoder import AttentionMetadata
+from epdserve.engine.models.decoder import AttentionMetadata, self_attention
 from epdserve.engine.models.rope import cos_sin_cache
-from epdserve.kernels import paged_attention, reshape_and_cache, rms_norm, rotary_embedding
+from epdserve.kernels import rms_norm
 
 
 class Gemma3Layer:
@@ -88,29 +88,21 @@ class Gemma3LM:
 
     def _attention(self, layer: Gemma3Layer, x, meta: AttentionMetadata, k_cache, v_cache):
         cfg = self.config
-        t = x.shape[0]
-        qkv = F.linear(x, layer.qkv_w)
-        q = qkv[:, : cfg.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        q = rms_norm(q.contiguous(), layer.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k.contiguous(), layer.k_norm, cfg.rms_norm_eps)
-        q, k = rotary_embedding(meta.positions, q, k, layer.rope, True)
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(
-            q,
+        out, q = self_attention(
+            cfg,
+            F.linear(x, layer.qkv_w),
+            meta,
             k_cache,
             v_cache,
-            meta.block_table,
-            meta.seq_lens,
-            meta.query_start_loc,
+            (layer.q_norm, layer.k_norm),
+            layer.rope,
             self.scale,
-            sliding_window=layer.sliding,
-            soft_cap=cfg.attn_logit_softcap,
+            layer.sliding,
+            cfg.attn_logit_softcap,
         )
         if meta.bidirectional_spans:
             attend_spans(out, q, k_cache, v_cache, meta, self.scale, layer.sliding)
-        return F.linear(out.reshape(t, cfg.q_size), layer.o_w)
+        return F.linear(out.reshape(x.shape[0], cfg.q_size), layer.o_w)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
