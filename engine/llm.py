@@ -9,7 +9,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, Logprobs, MMFeature
 from epdserve.engine.detokenizer import IncrementalDetokenizer
-from epdserve.engine.multimodal.images import ImageLimits, LoadedImage, load_image_url
+from epdserve.engine.multimodal.images import LoadedImage
 from epdserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
@@ -81,7 +81,7 @@ class LLM:
                         if isinstance(part["image_url"], dict)
                         else part["image_url"]
                     )
-                    images.append(load_image_url(url, ImageLimits(), f"messages[{i}].content[{j}]"))
+                    images.append(self._multimodal().load(url, f"messages[{i}].content[{j}]"))
                 elif part.get("type") == "image":
                     images.append(LoadedImage(part["image"].convert("RGB"), b""))
         text = self.tokenizer.apply_chat_template(conversation)
@@ -89,11 +89,11 @@ class LLM:
             return {"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
         return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
 
-    def _image_processor(self):
+    def _multimodal(self):
         if self._images is None:
-            from epdserve.engine.multimodal.processor import ImageProcessor
+            from epdserve.engine.multimodal.frontend import FrontendMultimodal
 
-            self._images = ImageProcessor(self.config.model, self.config.model, self.tokenizer)
+            self._images = FrontendMultimodal(self.config.model, self.config.model, self.tokenizer)
         return self._images
 
     def _mm_prompt(self, prompt: dict) -> tuple[list[int], list[MMFeature]]:
@@ -102,20 +102,9 @@ class LLM:
         loaded = [
             i if isinstance(i, LoadedImage) else LoadedImage(i.convert("RGB"), b"") for i in images
         ]
-        processed = self._image_processor().process(
+        return self._multimodal().process(
             prompt["prompt"], loaded, prompt.get("add_special_tokens", True)
         )
-        features = [
-            MMFeature(
-                m.identifier,
-                m.offset,
-                m.length,
-                m.pixel_values.tobytes(),
-                list(m.pixel_values.shape),
-            )
-            for m in processed.mm_items
-        ]
-        return processed.token_ids, features
 
     def _add(self, prompt, params: SamplingParams):
         mm_features = []

@@ -31,8 +31,11 @@ class FrontendMultimodal:
     def load(self, url: str, where: str) -> LoadedImage:
         return load_image_url(url, self.limits, where)
 
-    def process(self, text: str, images: list[LoadedImage]) -> tuple[list[int], list[MMFeature]]:
-        processed = self.processor.process(text, images)
+    def process(
+        self, text: str, images: list[LoadedImage], add_special_tokens: bool = False
+    ) -> tuple[list[int], list[MMFeature]]:
+        """Token ids with expanded placeholders, and the engine features of the images."""
+        processed = self.processor.process(text, images, add_special_tokens)
         features = [
             MMFeature(
                 m.identifier,
