@@ -14,7 +14,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epdserve.router.disagg import handle as disagg_handle
 from epdserve.router.loadstats import scrape_forever
-from epdserve.router.proxy import NoPodAvailable, open_upstream, relay, request_headers
+from epdserve.router.proxy import (
+    NoPodAvailable,
+    open_upstream,
+    openai_error,
+    relay,
+    request_headers,
+)
 from epdserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -29,12 +35,6 @@ class ProxySettings:
     max_attempts: int = 3
     failure_backoff: float = 2.0
     scrape_interval: float = 1.0
-
-
-def openai_error(status: int, message: str, kind: str) -> JSONResponse:
-    """An error in OpenAI's JSON shape."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
 
 
 def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=None) -> FastAPI:

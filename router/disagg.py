@@ -24,9 +24,9 @@ import logging
 from dataclasses import dataclass
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from epdserve.router.proxy import NoPodAvailable, open_upstream, relay
+from epdserve.router.proxy import NoPodAvailable, open_upstream, openai_error, relay
 from epdserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -106,24 +106,28 @@ async def encode_images(
         routers.encoder.track_inflight(pod, -1)
 
 
+async def _open(client, router: Router, settings, path: str, body: dict, headers: dict):
+    """Rank ``router``'s pods for ``body`` and open the first that answers (or raise)."""
+    routing = await asyncio.to_thread(router.route, path, body)
+    return await open_upstream(
+        client,
+        router,
+        routing,
+        "POST",
+        path,
+        json.dumps(body).encode(),
+        headers,
+        max(settings.max_attempts, 1),
+        settings.failure_backoff,
+    )
+
+
 async def run_prefill(
     client, routers: DisaggRouters, settings, path: str, body: dict, headers: dict
 ) -> tuple[dict | None, Response | None]:
     """``(kv_transfer_params, None)``, or ``(None, response)`` to return to the client as is."""
-    pbody = prefill_body(body)
-    routing = await asyncio.to_thread(routers.prefill.route, path, pbody)
     try:
-        upstream = await open_upstream(
-            client,
-            routers.prefill,
-            routing,
-            "POST",
-            path,
-            json.dumps(pbody).encode(),
-            headers,
-            max(settings.max_attempts, 1),
-            settings.failure_backoff,
-        )
+        upstream = await _open(client, routers.prefill, settings, path, prefill_body(body), headers)
     except NoPodAvailable:
         routers.prefill.metrics.client_errors.labels("prefill_unavailable").inc()
         return None, None
@@ -156,30 +160,11 @@ async def handle(
         if early is not None:
             return early
     dbody = {**body, "kv_transfer_params": params} if params else body
-    routing = await asyncio.to_thread(routers.decode.route, path, dbody)
     try:
-        upstream = await open_upstream(
-            client,
-            routers.decode,
-            routing,
-            "POST",
-            path,
-            json.dumps(dbody).encode(),
-            headers,
-            max(settings.max_attempts, 1),
-            settings.failure_backoff,
-        )
+        upstream = await _open(client, routers.decode, settings, path, dbody, headers)
     except NoPodAvailable as exc:
         routers.decode.metrics.client_errors.labels("no_pod").inc()
-        body = {
-            "error": {
-                "message": str(exc),
-                "type": "ServiceUnavailableError",
-                "param": None,
-                "code": 503,
-            }
-        }
-        return JSONResponse(body, status_code=503)
+        return openai_error(503, str(exc), "ServiceUnavailableError")
     return StreamingResponse(
         relay(routers.decode, upstream),
         status_code=upstream.response.status_code,

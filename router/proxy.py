@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
+from fastapi.responses import JSONResponse
 
 from epdserve.router.pods import PodState
 from epdserve.router.service import Router, Routing
@@ -40,6 +41,12 @@ class Upstream:
     def headers(self) -> dict[str, str]:
         """Response headers worth passing to the client."""
         return {k: v for k, v in self.response.headers.items() if k.lower() not in HOP_BY_HOP}
+
+
+def openai_error(status: int, message: str, kind: str) -> JSONResponse:
+    """An error in OpenAI's JSON shape."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
 
 
 class NoPodAvailable(Exception):
