@@ -57,8 +57,9 @@ class CoreLoop:
             events = self.core.take_events()
             if events:  # one batch per step, in block-pool order
                 self.publisher.publish([to_wire_event(e) for e in events])
-            if outputs or self._stats_changed():
-                self._send(outputs)
+            stats = self.core.stats()  # once per step: it decides the send and travels with it
+            if outputs or self._counts(stats) != self.last_counts:
+                self._send(outputs, stats)
 
     def _drain_input(self, timeout_ms: int) -> None:
         if not self.poller.poll(timeout_ms):
@@ -90,9 +91,6 @@ class CoreLoop:
                 [EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=str(exc))]
             )
 
-    def _stats_changed(self) -> bool:
-        return self._counts(self.core.stats()) != self.last_counts
-
     @staticmethod
     def _counts(stats: SchedulerStats) -> tuple:
         return (
@@ -107,8 +105,8 @@ class CoreLoop:
             stats.encoder_loads,
         )
 
-    def _send(self, outputs: list[EngineCoreOutput]) -> None:
-        stats = self.core.stats()
+    def _send(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None = None) -> None:
+        stats = stats or self.core.stats()
         self.last_counts = self._counts(stats)
         self.output.send(_encode.encode(EngineCoreOutputs(outputs, time.time(), stats)), copy=False)
 
