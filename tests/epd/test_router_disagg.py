@@ -9,11 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
-from serving_support import ServerProcess, free_port
+from serving_support import ServerProcess, free_port, wait_ready
 
 
 class RouterProcess:
@@ -36,16 +35,11 @@ class RouterProcess:
             ],
             start_new_session=True,
         )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("router did not become ready")
+        try:
+            wait_ready(self.url, self.proc, 60)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5).text
@@ -74,37 +68,31 @@ def connector(kind: str, role: str, url: str) -> str:
     )
 
 
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def role_pod(model: str, role: str, url: str, images: bool = False) -> ServerProcess:
+    """An engine pod of ``role`` sharing one redis-server (and hash seed) with its pool."""
+    flags = ["--role", role, "--hash-seed", "s"]
+    if role in KV_ROLE:
+        flags += ["--kv-transfer-config", connector("kv", KV_ROLE[role], url)]
+    if images:
+        ec_role = "ec_producer" if role == "encoder" else "ec_consumer"
+        flags += ["--ec-transfer-config", connector("ec", ec_role, url)]
+    return ServerProcess(model, *flags, api_key=None)
+
+
 def endpoint(srv: ServerProcess) -> str:
     return f"{srv.url},events=none,replay=none"
 
 
 @pytest.fixture
 def pd_pool(models, redis_url):
-    model, url, seed = str(models.get("llama")), redis_url, ("--hash-seed", "s")
+    model = str(models.get("llama"))
     pods, router = [], None
     try:
-        pods.append(
-            ServerProcess(
-                model,
-                "--role",
-                "prefill",
-                "--kv-transfer-config",
-                connector("kv", "kv_producer", url),
-                *seed,
-                api_key=None,
-            )
-        )
-        pods.append(
-            ServerProcess(
-                model,
-                "--role",
-                "decode",
-                "--kv-transfer-config",
-                connector("kv", "kv_consumer", url),
-                *seed,
-                api_key=None,
-            )
-        )
+        for role in ("prefill", "decode"):
+            pods.append(role_pod(model, role, redis_url))
         router = RouterProcess(
             model,
             "--strategy",
@@ -169,46 +157,11 @@ def test_pd_router_falls_back_to_the_decode_pod_when_prefill_is_down(pd_pool):
 
 
 def test_epd_router_sends_images_to_the_encoder_first(models, redis_url):
-    model, url, seed = str(models.get("gemma3")), redis_url, ("--hash-seed", "s")
+    model = str(models.get("gemma3"))
     pods, router = [], None
     try:
-        pods.append(
-            ServerProcess(
-                model,
-                "--role",
-                "encoder",
-                "--ec-transfer-config",
-                connector("ec", "ec_producer", url),
-                *seed,
-                api_key=None,
-            )
-        )
-        pods.append(
-            ServerProcess(
-                model,
-                "--role",
-                "prefill",
-                "--kv-transfer-config",
-                connector("kv", "kv_producer", url),
-                "--ec-transfer-config",
-                connector("ec", "ec_consumer", url),
-                *seed,
-                api_key=None,
-            )
-        )
-        pods.append(
-            ServerProcess(
-                model,
-                "--role",
-                "decode",
-                "--kv-transfer-config",
-                connector("kv", "kv_consumer", url),
-                "--ec-transfer-config",
-                connector("ec", "ec_consumer", url),
-                *seed,
-                api_key=None,
-            )
-        )
+        for role in ("encoder", "prefill", "decode"):
+            pods.append(role_pod(model, role, redis_url, images=True))
         router = RouterProcess(
             model,
             "--encoder-endpoint",

@@ -20,6 +20,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Poll ``url``/ready until 200; fail if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not become ready")
+
+
 class ServerProcess:
     def __init__(self, model: str, *extra: str, api_key: str | None = API_KEY):
         self.port = free_port()
@@ -49,17 +64,7 @@ class ServerProcess:
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become ready")
+        wait_ready(self.url, self.proc, timeout)
 
     def core_pid(self) -> int:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
