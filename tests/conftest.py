@@ -7,6 +7,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
 import pytest  # noqa: E402
 
 
@@ -134,3 +137,33 @@ def redis_url(redis_server) -> str:
     client.flushall()
     client.close()
     return redis_server.url
+
+
+def make_read_only(path: str):
+    """Make ``path`` read-only even for root; returns an undo function, or skips."""
+    if os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        for d in os.listdir(path):
+            os.chmod(os.path.join(path, d), 0o555)
+        return lambda: (
+            [os.chmod(os.path.join(r, d), 0o755) for r, ds, _ in os.walk(path) for d in ds]
+            + [os.chmod(path, 0o755)]
+        )
+    if shutil.which("mount"):
+        bind = subprocess.run(["mount", "--bind", path, path], capture_output=True)
+        if bind.returncode == 0:
+            ro = subprocess.run(["mount", "-o", "remount,bind,ro", path], capture_output=True)
+            if ro.returncode == 0:
+                return lambda: subprocess.run(["umount", path], check=True)
+            subprocess.run(["umount", path], check=True)
+    if shutil.which("chattr"):
+        dirs = [path] + [os.path.join(path, d) for d in os.listdir(path)]
+        if subprocess.run(["chattr", "+i", *dirs], capture_output=True).returncode == 0:
+            return lambda: subprocess.run(["chattr", "-i", *dirs], check=True)
+    pytest.skip("running as root without a working read-only bind mount or chattr +i")
+
+
+@pytest.fixture
+def read_only():
+    """``read_only(path) -> undo``: a directory read-only even for root (or the test skips)."""
+    return make_read_only

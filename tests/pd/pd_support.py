@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import subprocess
 
 import httpx
-import pytest
 from serving_support import ServerProcess
 
 BLOCK = 16
@@ -97,27 +93,3 @@ def answer(response: dict) -> tuple[str, list[str]]:
 def loadable_tokens(prompt: list[int]) -> int:
     """Tokens of whole blocks a decode pod may load: never the prompt's last token."""
     return (len(prompt) - 1) // BLOCK * BLOCK
-
-
-def read_only(path: str):
-    """Make ``path`` read-only even for root; returns an undo function, or skips."""
-    if os.geteuid() != 0:
-        os.chmod(path, 0o555)
-        for d in os.listdir(path):
-            os.chmod(os.path.join(path, d), 0o555)
-        return lambda: (
-            [os.chmod(os.path.join(r, d), 0o755) for r, ds, _ in os.walk(path) for d in ds]
-            + [os.chmod(path, 0o755)]
-        )
-    if shutil.which("mount"):
-        bind = subprocess.run(["mount", "--bind", path, path], capture_output=True)
-        if bind.returncode == 0:
-            ro = subprocess.run(["mount", "-o", "remount,bind,ro", path], capture_output=True)
-            if ro.returncode == 0:
-                return lambda: subprocess.run(["umount", path], check=True)
-            subprocess.run(["umount", path], check=True)
-    if shutil.which("chattr"):
-        dirs = [path] + [os.path.join(path, d) for d in os.listdir(path)]
-        if subprocess.run(["chattr", "+i", *dirs], capture_output=True).returncode == 0:
-            return lambda: subprocess.run(["chattr", "-i", *dirs], check=True)
-    pytest.skip("running as root without a working read-only bind mount or chattr +i")

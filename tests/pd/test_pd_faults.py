@@ -10,7 +10,7 @@ import time
 
 import redis
 import torch
-from pd_support import BLOCK, answer, greedy, loadable_tokens, post, prompts, read_only
+from pd_support import BLOCK, answer, greedy, loadable_tokens, post, prompts
 
 from epdserve.connectors.storage import KVBlockMeta, encode_kv_block
 
@@ -101,7 +101,7 @@ def test_redis_killed_mid_run_then_restarted_is_reconnected(redis_pods, redis_se
 
 
 def test_a_read_only_volume_still_serves_stored_blocks_and_recomputes_the_rest(
-    shared_pods, colocated
+    shared_pods, colocated, read_only
 ):
     stored, fresh = prompts(seed=26, lengths=(70, 85))
     stored_params = prefill(shared_pods, stored)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 
-import pytest
 import torch
 
 from epdserve.connectors.storage import KVBlockIO
@@ -68,33 +66,10 @@ def test_an_unreadable_entry_is_a_counted_miss(make_store):
     assert store.stats.get_failures == 1
 
 
-def _read_only(path: str):
-    """Make ``path`` read-only even for root; returns an undo function, or skips."""
-    if os.geteuid() != 0:
-        os.chmod(path, 0o555)
-        for d in os.listdir(path):
-            os.chmod(os.path.join(path, d), 0o555)
-        return lambda: [
-            os.chmod(os.path.join(r, d), 0o755) for r, ds, _ in os.walk(path) for d in ds
-        ]
-    if shutil.which("mount"):
-        bind = subprocess.run(["mount", "--bind", path, path], capture_output=True)
-        if bind.returncode == 0:
-            ro = subprocess.run(["mount", "-o", "remount,bind,ro", path], capture_output=True)
-            if ro.returncode == 0:
-                return lambda: subprocess.run(["umount", path], check=True)
-            subprocess.run(["umount", path], check=True)
-    if shutil.which("chattr"):
-        dirs = [path] + [os.path.join(path, d) for d in os.listdir(path)]
-        if subprocess.run(["chattr", "+i", *dirs], capture_output=True).returncode == 0:
-            return lambda: subprocess.run(["chattr", "-i", *dirs], check=True)
-    pytest.skip("running as root without a working read-only bind mount or chattr +i")
-
-
-def test_a_read_only_volume_fails_puts_softly_and_still_serves_gets(make_store):
+def test_a_read_only_volume_fails_puts_softly_and_still_serves_gets(make_store, read_only):
     store = make_store("shared_storage", max_bytes=1 << 20)
     store.put_many([("old", b"value")])
-    undo = _read_only(store.root)
+    undo = read_only(store.root)
     try:
         assert store.put_many([("new", b"v"), ("old", b"other")]) == [False, False]
         assert store.get_many(["old", "new"]) == [b"value", None]
