@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 from epdserve.engine.core.interfaces import EngineCoreOutput, Logprobs
@@ -169,7 +168,3 @@ class RequestState:
 
 def _unpack(lp: Logprobs) -> list[tuple[list[int], list[float], int]]:
     return list(zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True))
-
-
-def now() -> float:
-    return time.monotonic()

@@ -58,11 +58,6 @@ def hash_block(
     return hash_fn((parent, tuple(tokens), extra_keys))
 
 
-def block_hash_to_u64(block_hash: BlockHash) -> int:
-    """The low 64 bits (last 8 bytes, big-endian), as KV events carry them."""
-    return int.from_bytes(block_hash[-8:], "big")
-
-
 class BlockHasher:
     """Extends a request's hash list as its tokens fill whole blocks."""
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from epdserve.connectors.kv_events import hash_to_int
 from epdserve.engine.core.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
-from epdserve.engine.core.hashing import BlockHasher, block_hash_to_u64, get_hash_fn, none_hash
+from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.request import Request
 from epdserve.engine.sampling_params import SamplingParams
@@ -126,7 +127,7 @@ def test_hash_chain_depends_on_seed_parent_and_tokens(algo):
     assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
     assert a.block_hashes[0] != c.block_hashes[0]
     assert a.block_hashes[1] != d.block_hashes[1]  # same tokens, different parent
-    assert 0 <= block_hash_to_u64(a.block_hashes[0]) < 2**64
+    assert 0 <= hash_to_int(a.block_hashes[0]) < 2**64
 
 
 def test_sha256_cbor_matches_a_hand_computed_chain():
