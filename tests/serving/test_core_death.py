@@ -14,7 +14,7 @@ from serving_support import ServerProcess
 
 @pytest.fixture
 def doomed_server(models):
-    srv = ServerProcess(str(models.get("qwen2")), api_key=None)
+    srv = ServerProcess(str(models.get("qwen2")), "--max-model-len", "4096", api_key=None)
     yield srv
     srv.stop()
 
@@ -29,7 +29,7 @@ def test_killing_the_core_fails_pending_and_new_requests_within_seconds(doomed_s
             resp = httpx.post(
                 srv.url + "/v1/completions",
                 timeout=60,
-                json={"model": "tiny", "prompt": "x", "max_tokens": 480, "ignore_eos": True},
+                json={"model": "tiny", "prompt": "x", "max_tokens": 4000, "ignore_eos": True},
             )
             results["status"] = resp.status_code
         except httpx.HTTPError as exc:
@@ -38,7 +38,12 @@ def test_killing_the_core_fails_pending_and_new_requests_within_seconds(doomed_s
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(1.0)
+    # Kill as soon as the core is decoding it: 4000 tokens leave seconds of work even on a
+    # fast machine, so the request is still pending when the core dies.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and srv.metric("vllm:num_requests_running") < 1:
+        time.sleep(0.02)
+    assert "status" not in results, "the request finished before the core could be killed"
     os.kill(srv.core_pid(), signal.SIGKILL)
     thread.join(30)
     assert not thread.is_alive()
