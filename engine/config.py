@@ -20,6 +20,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # one KV-cache group for all layers (also forced when a KV connector is configured:
+    # connectors move every layer of a block together)
+    disable_hybrid_kv_cache_manager: bool = False
     prefix_caching_hash_algo: str = "sha256_cbor"
     hash_seed: str | None = None
     seed: int = 0

@@ -71,6 +71,8 @@ class PrefixIndex:
         with self._lock:
             blocks = self._pods.setdefault(pod, _PodBlocks())
             for event in batch.events:
+                if getattr(event, "group_idx", None):
+                    continue  # a hybrid model's sliding-window groups: group 0 names prefixes
                 if isinstance(event, BlockStored):
                     self._store(pod, blocks, event, result)
                 elif isinstance(event, BlockRemoved):

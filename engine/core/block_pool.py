@@ -10,12 +10,21 @@ from epdserve.engine.core.hashing import BlockHash
 class KVCacheBlock:
     """One block of KV memory; ``block_hash`` is set once the block is full and cached."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "group_idx",
+        "prev_free",
+        "next_free",
+        "is_null",
+    )
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.group_idx = 0  # the KV-cache group whose prefix cache names this block
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
@@ -83,16 +92,16 @@ class AllBlocksCleared:
     pass
 
 
-class BlockPool:
-    """Owns every block; block 0 is the null block and is never handed out."""
+def cache_key(block_hash: BlockHash, group_idx: int):
+    """Prefix-cache key: the same tokens are cached separately per KV-cache group."""
+    return block_hash if group_idx == 0 else (group_idx, block_hash)
 
-    def __init__(
-        self,
-        num_blocks: int,
-        enable_caching: bool = True,
-        enable_events: bool = False,
-        group_idx: int = 0,
-    ):
+
+class BlockPool:
+    """Owns every block; block 0 is the null block and is never handed out. Shared by all
+    KV-cache groups: a block serves one group at a time."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks: need at least 2 (one is the null block), got {num_blocks}"
@@ -103,9 +112,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_caching = enable_caching
         self.enable_events = enable_events
-        self.group_idx = group_idx
-        # hash -> {block_id: block}; no dedup: identical content may live in several blocks
-        self.cached: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        # cache_key -> {block_id: block}; no dedup: identical content may live in several blocks
+        self.cached: dict = {}
         self.events: list = []
 
     @property
@@ -120,8 +128,8 @@ class BlockPool:
         total = self.num_blocks - 1
         return 1.0 - self.free_queue.num_free / total
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        entry = self.cached.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group_idx: int = 0) -> KVCacheBlock | None:
+        entry = self.cached.get(cache_key(block_hash, group_idx))
         return next(iter(entry.values())) if entry else None
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
@@ -139,13 +147,14 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        entry = self.cached.get(block.block_hash)
+        key = cache_key(block.block_hash, block.group_idx)
+        entry = self.cached.get(key)
         if entry is not None:
             entry.pop(block.block_id, None)
             if not entry:
-                del self.cached[block.block_hash]
+                del self.cached[key]
         if self.enable_events:
-            self.events.append(BlockRemoved([block.block_hash], self.group_idx))
+            self.events.append(BlockRemoved([block.block_hash], block.group_idx))
         block.block_hash = None
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -174,8 +183,10 @@ class BlockPool:
         token_ids,
         block_size: int,
         extra_keys=None,
+        group_idx: int = 0,
     ) -> None:
-        """Name blocks ``num_cached..num_full-1`` by their hashes and announce them."""
+        """Name blocks ``num_cached..num_full-1`` of one group by their hashes and announce
+        them (null blocks of a sliding window are skipped)."""
         if not self.enable_caching or num_full <= num_cached:
             return
         new_hashes = []
@@ -184,7 +195,10 @@ class BlockPool:
             if block.block_hash is not None or block.is_null:
                 continue
             block.block_hash = block_hashes[i]
-            self.cached.setdefault(block.block_hash, {})[block.block_id] = block
+            block.group_idx = group_idx
+            self.cached.setdefault(cache_key(block.block_hash, group_idx), {})[block.block_id] = (
+                block
+            )
             new_hashes.append(block.block_hash)
         if self.enable_events and new_hashes:
             parent = block_hashes[num_cached - 1] if num_cached > 0 else None
@@ -195,7 +209,7 @@ class BlockPool:
                     token_ids=list(token_ids[num_cached * block_size : num_full * block_size]),
                     block_size=block_size,
                     extra_keys=[extra_keys] * len(new_hashes),
-                    group_idx=self.group_idx,
+                    group_idx=group_idx,
                 )
             )
 
@@ -219,6 +233,6 @@ class BlockPool:
         free_ids = self.free_queue.block_ids()
         assert len(free_ids) == self.free_queue.num_free
         assert set(free_ids) == {b.block_id for b in self.blocks[1:] if b.ref_cnt == 0}
-        for block_hash, entry in self.cached.items():
+        for key, entry in self.cached.items():
             for block in entry.values():
-                assert block.block_hash == block_hash
+                assert cache_key(block.block_hash, block.group_idx) == key

@@ -13,6 +13,7 @@ from epdserve.connectors.kv_connector import KVTransferConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature, SchedulerStats
+from epdserve.engine.core.kv_cache_groups import make_kv_cache_spec, make_managers
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
@@ -50,12 +51,15 @@ class EngineCore:
         self.model = load_model(
             config.model, dtype, device, max(self.max_model_len, model_cfg.max_position_embeddings)
         )
+        hybrid = not (config.disable_hybrid_kv_cache_manager or config.kv_transfer_config)
+        self.kv_spec = make_kv_cache_spec(model_cfg.layer_windows(), hybrid)
         self.num_blocks = self._num_blocks(dtype)
         self.kv = KVCacheManager(
             self.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
             config.enable_kv_events,
+            self.kv_spec,
         )
         connectors = create_kv_connectors(config, self._block_shape())
         self.kv_connectors = connectors or ()
@@ -93,6 +97,7 @@ class EngineCore:
             connectors[1] if connectors else None,
             self.vision_encoder,
             self.ec_connector,
+            self.kv_spec,
         )
         hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
         self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
@@ -105,13 +110,16 @@ class EngineCore:
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
         cfg = self.config
-        per_block = kv_block_bytes(self.model, cfg.block_size, dtype)
+        per_block = kv_block_bytes(self.model, cfg.block_size, dtype, self.kv_spec.slots)
+        # blocks one sequence can hold at once, over all groups (sliding ones are bounded)
+        need = 1 + sum(
+            m.max_blocks_per_request(self.max_model_len, cfg.max_num_batched_tokens)
+            for m in make_managers(self.kv_spec, None, cfg.block_size)
+        )
         if cfg.kv_cache_memory is not None:
             num = cfg.kv_cache_memory // per_block
         else:
-            want = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
-            num = min(want, DEFAULT_KV_CACHE_CAP // per_block)
-        need = -(-self.max_model_len // cfg.block_size) + 1
+            num = min(cfg.max_num_seqs * (need - 1) + 1, DEFAULT_KV_CACHE_CAP // per_block)
         if num < need:
             raise ValueError(
                 f"kv_cache_memory: {num} blocks of {per_block} bytes cannot hold one "

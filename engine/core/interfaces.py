@@ -31,7 +31,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     req_id: str
     token_ids: list[int]  # prompt + outputs so far
     params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group
     num_computed_tokens: int
     num_prompt_tokens: int
     mm_features: list[MMFeature] = []
@@ -39,7 +39,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
 
 class CachedRequestData(msgspec.Struct, array_like=True):
     req_ids: list[str]
-    new_block_ids: list[list[int]]
+    new_block_ids: list[list[list[int]]]  # per request, per KV-cache group
     num_computed_tokens: list[int]
 
 

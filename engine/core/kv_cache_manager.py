@@ -1,21 +1,26 @@
 """Allocates KV blocks to requests and finds prefix-cache hits (vLLM v1 semantics).
 
-One full-attention group today; ``KVCacheCoordinator``-style multi-group support (sliding
-window for Gemma3) slots in behind the same four methods.
+Blocks are kept per KV-cache group (``kv_cache_groups``): one group for most models, a
+full-attention group plus sliding-window groups for hybrid ones (Gemma3). Block lists
+cross this API as one list per group; ``get_block_ids`` is group 0's.
 """
 
 from __future__ import annotations
 
 from epdserve.engine.core.block_pool import BlockPool, KVCacheBlock
+from epdserve.engine.core.kv_cache_groups import (
+    FullAttentionManager,
+    KVCacheSpec,
+    cdiv,
+    make_managers,
+)
 from epdserve.engine.core.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+GroupBlocks = tuple[list[KVCacheBlock], ...]  # one list per KV-cache group
 
 
 class KVCacheManager:
-    """``get_computed_blocks`` / ``allocate_slots`` / ``free`` over one ``BlockPool``."""
+    """``get_computed_blocks`` / ``allocate_slots`` / ``free`` over one shared ``BlockPool``."""
 
     def __init__(
         self,
@@ -23,11 +28,17 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         enable_events: bool = False,
+        spec: KVCacheSpec | None = None,
     ):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, enable_events)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        if spec is None:  # one full-attention group
+            self.managers = [FullAttentionManager(self.pool, block_size, 0)]
+        else:
+            self.managers = make_managers(spec, self.pool, block_size)
+        self.num_groups = len(self.managers)
+        self.req_blocks: dict[str, GroupBlocks] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
@@ -36,95 +47,125 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of whole blocks; never the prompt's last token."""
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """Longest cached prefix of whole blocks every group can use; never the prompt's
+        last token (it must be computed to produce logits)."""
+        empty = tuple([] for _ in self.managers)
         if not self.enable_caching or request.skip_prefix_cache:
-            return [], 0
-        # the last token must be computed to produce logits
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
+            return empty, 0
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        hits = empty
+        n = len(hashes)
+        while n > 0:  # shrink until every group agrees on the same length
+            hits = tuple(m.find_longest_cache_hit(hashes[:n]) for m in self.managers)
+            agreed = min(len(h) for h in hits)
+            if agreed == n:
                 break
-            hits.append(block)
+            n = agreed
+        if n == 0:
+            hits = empty
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.prefix_hits += n * self.block_size
+        return hits, n * self.block_size
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: GroupBlocks | None = None,
         delay_cache: bool = False,
-    ) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens; None (nothing changed) if it can't.
+    ) -> GroupBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens; the new blocks per group, or None
+        (nothing allocated) if they don't fit.
 
         ``delay_cache``: the new blocks are still being filled (a KV connector's load), so
         they are not named in the prefix cache until ``cache_blocks`` says they are valid."""
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        hits = new_computed_blocks or tuple([] for _ in self.managers)
+        blocks = self.req_blocks.get(rid) or tuple([] for _ in self.managers)
+        # blocks out of every future query's window go back first (sliding groups)
+        for manager, group_blocks in zip(self.managers, blocks, strict=True):
+            manager.remove_skipped_blocks(group_blocks, request.num_computed_tokens)
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        want = cdiv(total, self.block_size)
+        needs = [max(want - len(b) - len(h), 0) for b, h in zip(blocks, hits, strict=True)]
         # hit blocks sitting in the free queue stop being evictable once touched
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_needed, 0) > self.pool.get_num_free_blocks() - num_evictable_hits:
-            if not blocks:
-                self.req_blocks.pop(request.request_id)
+        evictable = sum(1 for h in hits for b in h if b.ref_cnt == 0 and not b.is_null)
+        if sum(needs) > self.pool.get_num_free_blocks() - evictable:
+            if not any(blocks):
+                self.req_blocks.pop(rid, None)
             return None
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
+        self.req_blocks[rid] = blocks
+        if any(hits):
+            for group_blocks, group_hits in zip(blocks, hits, strict=True):
+                self.pool.touch(group_hits)
+                group_blocks.extend(group_hits)
             # cache hits are already named: events for later blocks chain from the last hit
-            rid = request.request_id
-            self.num_cached_blocks[rid] = max(self.num_cached_blocks.get(rid, 0), len(blocks))
-        new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
-        blocks.extend(new_blocks)
+            self.num_cached_blocks[rid] = max(self.num_cached_blocks.get(rid, 0), len(blocks[0]))
+        new = tuple(self.pool.get_new_blocks(n) if n else [] for n in needs)
+        for group_blocks, group_new in zip(blocks, new, strict=True):
+            group_blocks.extend(group_new)
         if not delay_cache:
             self._cache_blocks(request, blocks, total)
-        return new_blocks
+        return new
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Name the request's full blocks up to ``num_tokens`` in the prefix cache."""
-        self._cache_blocks(request, self.req_blocks.get(request.request_id, []), num_tokens)
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks:
+            self._cache_blocks(request, blocks, num_tokens)
 
     def has_blocks(self, request_id: str) -> bool:
-        return bool(self.req_blocks.get(request_id))
+        return any(self.req_blocks.get(request_id, ()))
 
-    def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], total: int) -> None:
+    def _cache_blocks(self, request: Request, blocks: GroupBlocks, total: int) -> None:
         if not self.enable_caching:
             return
         num_known = min(total, request.num_tokens) // self.block_size
         num_full = min(num_known, len(request.block_hashes))
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         if num_full > num_cached:
-            self.pool.cache_full_blocks(
-                blocks,
-                request.block_hashes,
-                num_cached,
-                num_full,
-                request.all_token_ids,
-                self.block_size,
-            )
+            for g, group_blocks in enumerate(blocks):
+                self.pool.cache_full_blocks(
+                    group_blocks,
+                    request.block_hashes,
+                    num_cached,
+                    num_full,
+                    request.all_token_ids,
+                    self.block_size,
+                    group_idx=g,
+                )
             self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so its prefix outlives its suffix."""
         self.release(self.detach(request))
 
-    def detach(self, request: Request) -> list[KVCacheBlock]:
+    def detach(self, request: Request) -> GroupBlocks:
         """Take a request's blocks away from it, still referenced (a connector is using them)."""
         self.num_cached_blocks.pop(request.request_id, None)
-        return self.req_blocks.pop(request.request_id, [])
+        return self.req_blocks.pop(request.request_id, ())
 
-    def release(self, blocks: list[KVCacheBlock]) -> None:
-        """Drop the references ``detach`` kept, tail first."""
-        self.pool.free_blocks(list(reversed(blocks)))
+    def release(self, blocks: GroupBlocks) -> None:
+        """Drop the references ``detach`` kept, tail first (every group's tail before any
+        group's head, so prefixes outlive suffixes)."""
+        ordered = []
+        for group_blocks in blocks:
+            ordered.extend(reversed(group_blocks))
+        if len(blocks) > 1:
+            position = {id(b): -i for g in blocks for i, b in enumerate(g)}
+            ordered.sort(key=lambda b: position[id(b)])
+        self.pool.free_blocks(ordered)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        """Group 0's block ids (what KV connectors move)."""
+        blocks = self.req_blocks.get(request_id)
+        return [b.block_id for b in blocks[0]] if blocks else []
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        blocks = self.req_blocks.get(request_id) or tuple([] for _ in self.managers)
+        return [[b.block_id for b in g] for g in blocks]
 
     def take_events(self) -> list:
         return self.pool.take_events()

@@ -97,7 +97,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[Request] = []
         cached_reqs: list[Request] = []
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, list[list[int]]] = {}
         preempted = False
 
         i = 0
@@ -124,7 +124,7 @@ class Scheduler:
             if blocks is None:
                 break
             cached_reqs.append(request)
-            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            new_block_ids[request.request_id] = [[b.block_id for b in g] for g in blocks]
             num_scheduled[request.request_id] = n
             budget -= n
             i += 1
@@ -215,7 +215,7 @@ class Scheduler:
                 r.request_id,
                 list(r.all_token_ids),
                 r.params,
-                self.kv.get_block_ids(r.request_id),
+                self.kv.get_group_block_ids(r.request_id),
                 r.num_computed_tokens,
                 r.num_prompt_tokens,
                 r.mm_features,

@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_env_bool("enable_prefix_caching", True),
     )
     p.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        default=_env_bool("disable_hybrid_kv_cache_manager", False),
+        help="keep every layer's KV for the whole sequence (sliding-window layers included)",
+    )
+    p.add_argument(
         "--prefix-caching-hash-algo", default=_env("prefix_caching_hash_algo", "sha256_cbor")
     )
     p.add_argument("--hash-seed", default=_env("hash_seed"))
@@ -86,6 +92,7 @@ def engine_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         hash_seed=args.hash_seed,
         seed=args.seed,

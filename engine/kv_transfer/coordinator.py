@@ -23,9 +23,8 @@ from epdserve.connectors.kv_connector import (
     KVConnectorOutput,
     ScheduledRequest,
 )
-from epdserve.engine.core.block_pool import KVCacheBlock
 from epdserve.engine.core.interfaces import EngineCoreOutput
-from epdserve.engine.core.kv_cache_manager import KVCacheManager
+from epdserve.engine.core.kv_cache_manager import GroupBlocks, KVCacheManager
 from epdserve.engine.core.request import Request, RequestStatus
 
 
@@ -48,7 +47,7 @@ class KVTransferCoordinator:
         self.can_load = can_load
         self.loading: dict[str, tuple[Request, int]] = {}  # req -> (request, external tokens)
         self.saving: set[str] = set()  # requests with saves not yet reported done
-        self.held_blocks: dict[str, list[list[KVCacheBlock]]] = {}
+        self.held_blocks: dict[str, list[GroupBlocks]] = {}
         self.held_outputs: dict[str, EngineCoreOutput] = {}
         self.queries = 0  # tokens looked up
         self.hits = 0  # tokens loaded
@@ -58,7 +57,7 @@ class KVTransferCoordinator:
         return bool(self.loading or self.held_blocks or self.held_outputs)
 
     # --- admission ----------------------------------------------------------------------
-    def start_load(self, request: Request, hits: list[KVCacheBlock], num_local: int) -> LoadStart:
+    def start_load(self, request: Request, hits: GroupBlocks, num_local: int) -> LoadStart:
         """Ask the connector about the request's prefix beyond its ``num_local`` cached tokens
         and start loading it into newly allocated blocks if there is one."""
         if request.skip_prefix_cache:

@@ -52,6 +52,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention)."""
+        if self.layer_types:
+            return [
+                self.sliding_window if kind == "sliding_attention" else None
+                for kind in self.layer_types
+            ]
+        return [self.sliding_window] * self.num_layers
+
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse ``config.json``; unsupported architectures raise naming what was found."""

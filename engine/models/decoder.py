@@ -67,13 +67,14 @@ class DecoderLM:
     def forward(
         self,
         input_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         cfg = self.config
         h = F.embedding(input_ids, self.embed)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        layers = zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True)
+        for layer, (k_cache, v_cache), meta in layers:
             if residual is None:
                 residual = h
                 x = rms_norm(h, layer.in_norm, cfg.rms_norm_eps)
@@ -101,6 +102,11 @@ class DecoderLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
+
+
+def per_layer(meta, num_layers: int) -> list[AttentionMetadata]:
+    """Layers of different KV-cache groups get their own metadata (a list); one group shares."""
+    return meta if isinstance(meta, list) else [meta] * num_layers
 
 
 def self_attention(

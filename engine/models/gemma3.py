@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from epdserve.engine.models.bidirectional import attend_spans
 from epdserve.engine.models.config import ModelConfig
-from epdserve.engine.models.decoder import AttentionMetadata, self_attention
+from epdserve.engine.models.decoder import AttentionMetadata, per_layer, self_attention
 from epdserve.engine.models.rope import cos_sin_cache
 from epdserve.kernels import rms_norm
 
@@ -64,14 +64,15 @@ class Gemma3LM:
     def forward(
         self,
         input_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cfg = self.config
         eps = cfg.rms_norm_eps
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        layers = zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True)
+        for layer, (k_cache, v_cache), meta in layers:
             residual = h
             x = rms_norm(h, layer.in_norm, eps)
             attn = self._attention(layer, x, meta, k_cache, v_cache)

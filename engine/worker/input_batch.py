@@ -27,8 +27,8 @@ class RequestState:
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
+    slot_mapping: list[torch.Tensor]  # per KV-cache group
+    block_table: list[torch.Tensor]  # per KV-cache group
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     logits_indices: torch.Tensor  # flat index of each sampling request's last token
@@ -37,15 +37,15 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_groups: int = 1):
         self.block_size = block_size
         self.max_model_len = max_model_len
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # the same in every group
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.states: dict[str, RequestState] = {}
 
@@ -54,7 +54,7 @@ class InputBatch:
         req_id: str,
         token_ids: list[int],
         params: SamplingParams,
-        block_ids: list[int],
+        block_ids: list[list[int]],
         num_computed: int,
         num_prompt_tokens: int,
     ) -> None:
@@ -75,11 +75,14 @@ class InputBatch:
         if state is not None:
             self.free_rows.append(state.row)
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
+        """Append each group's new block ids (every group grows by the same count)."""
+        start = self.num_blocks[row]
+        for g, ids in enumerate(block_ids):
+            if ids:
+                self.block_table[g, row, start : start + len(ids)] = ids
         if block_ids:
-            start = self.num_blocks[row]
-            self.block_table[row, start : start + len(block_ids)] = block_ids
-            self.num_blocks[row] = start + len(block_ids)
+            self.num_blocks[row] = start + len(block_ids[0])
 
     def append_token(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = tokens
@@ -97,7 +100,11 @@ class InputBatch:
         positions = np.repeat(starts, counts) + offsets
         input_ids = self.token_ids[req_idx, positions]
         bs = self.block_size
-        slots = self.block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        block_idx, offset = positions // bs, positions % bs
+        slots = [
+            torch.from_numpy(table[req_idx, block_idx].astype(np.int64) * bs + offset)
+            for table in self.block_table
+        ]
         seq_lens = starts + counts
         max_blocks = int(-(-seq_lens.max() // bs))
         samples = seq_lens >= self.num_tokens[rows]
@@ -106,8 +113,8 @@ class InputBatch:
         return StepInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
-            slot_mapping=torch.from_numpy(slots),
-            block_table=torch.from_numpy(self.block_table[rows, :max_blocks]),
+            slot_mapping=slots,
+            block_table=[torch.from_numpy(t[rows, :max_blocks]) for t in self.block_table],
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
             query_start_loc=torch.from_numpy(np.concatenate([[0], cu]).astype(np.int32)),
             logits_indices=torch.from_numpy(sample_pos),

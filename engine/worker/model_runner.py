@@ -1,8 +1,9 @@
 """Executes one ``SchedulerOutput``: builds inputs, runs the model, samples.
 
-Owns the KV cache: one preallocated tensor ``[num_blocks, num_layers, 2, block_size,
-kv_heads, head_dim]`` (block-major, cross-layer: one block of every layer is one span);
-the model sees strided per-layer views.
+Owns the KV cache: one preallocated tensor ``[num_blocks, slots, 2, block_size, kv_heads,
+head_dim]`` (block-major, cross-layer: one block of every layer of a KV-cache group is one
+span; ``slots`` is the layers per group, all layers when there is one group); the model sees
+strided per-layer views and the attention metadata of its layer's group.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ import numpy as np
 import torch
 
 from epdserve.engine.core.interfaces import ModelRunnerOutput, SchedulerOutput
+from epdserve.engine.core.kv_cache_groups import KVCacheSpec, make_kv_cache_spec
 from epdserve.engine.models.decoder import AttentionMetadata, DecoderLM
 from epdserve.engine.sample.sampler import SamplingRow, compute_logprobs, sample
 from epdserve.engine.worker.input_batch import InputBatch
 from epdserve.engine.worker.mm_inputs import EncoderOutputs, place_image_embeddings
 
 
-def kv_block_bytes(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(model: DecoderLM, block_size: int, dtype: torch.dtype, slots: int) -> int:
     cfg = model.config
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return slots * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:
@@ -33,19 +35,21 @@ class ModelRunner:
         kv_connector=None,
         vision_encoder=None,
         ec_connector=None,
+        spec: KVCacheSpec | None = None,
     ):
         cfg = model.config
         self.model = model
         self.block_size = block_size
+        spec = spec or make_kv_cache_spec([None] * cfg.num_layers)
         self.kv_cache = torch.zeros(
-            (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+            (num_blocks, spec.slots, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
             dtype=model.dtype,
             device=model.device,
         )
-        self.layer_caches = [
-            (self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(cfg.num_layers)
-        ]
-        self.batch = InputBatch(max_num_reqs, max_model_len, block_size)
+        placement = spec.layer_placement()
+        self.layer_caches = [(self.kv_cache[:, j, 0], self.kv_cache[:, j, 1]) for _, j in placement]
+        self.layer_groups = [g for g, _ in placement]
+        self.batch = InputBatch(max_num_reqs, max_model_len, block_size, len(spec.groups))
         self.kv_connector = kv_connector  # worker side of a KV connector, if any
         self.encoder_outputs = (
             EncoderOutputs(vision_encoder, ec_connector) if vision_encoder else None
@@ -92,14 +96,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         inputs = self.batch.prepare(sched.num_scheduled_tokens)
-        meta = AttentionMetadata(
-            inputs.positions,
-            inputs.slot_mapping,
-            inputs.block_table,
-            inputs.seq_lens,
-            inputs.query_start_loc,
-        )
-        embeds = self._multimodal_embeds(sched, inputs, meta)
+        metas = [
+            AttentionMetadata(
+                inputs.positions, slots, table, inputs.seq_lens, inputs.query_start_loc
+            )
+            for slots, table in zip(inputs.slot_mapping, inputs.block_table, strict=True)
+        ]
+        embeds = self._multimodal_embeds(sched, inputs, metas)
+        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layer_groups]
         if embeds is None:
             hidden = self.model.forward(inputs.input_ids, meta, self.layer_caches)
         else:
@@ -114,7 +118,7 @@ class ModelRunner:
             inputs.order, [sampled.get(r, []) for r in inputs.order], logprobs, prompt_logprobs
         )
 
-    def _multimodal_embeds(self, sched: SchedulerOutput, inputs, meta) -> torch.Tensor | None:
+    def _multimodal_embeds(self, sched: SchedulerOutput, inputs, metas) -> torch.Tensor | None:
         """Encode this step's images; token embeddings with image features in place."""
         outputs = self.encoder_outputs
         if outputs is None:
@@ -138,7 +142,7 @@ class ModelRunner:
         embeds = self.model.embed_tokens(inputs.input_ids)
         counts = inputs.query_start_loc[1:] - inputs.query_start_loc[:-1]
         starts = inputs.seq_lens - counts
-        meta.bidirectional_spans = place_image_embeddings(
+        spans = place_image_embeddings(
             embeds,
             inputs.order,
             starts,
@@ -147,6 +151,8 @@ class ModelRunner:
             lambda r: self.mm_features.get(r),
             outputs,
         )
+        for meta in metas:
+            meta.bidirectional_spans = spans
         return embeds
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]):

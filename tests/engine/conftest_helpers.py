@@ -10,6 +10,19 @@ import torch
 MAX_NEW = 16
 
 
+def make_kv_request(
+    req_id: str, tokens: list[int], block_size: int, seed: str = "s", algo: str = "sha256_cbor"
+):
+    """A bare ``Request`` whose block hashes follow its tokens (for KV-manager state tests)."""
+    from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
+    from epdserve.engine.core.request import Request
+    from epdserve.engine.sampling_params import SamplingParams
+
+    fn = get_hash_fn(algo)
+    hasher = BlockHasher(block_size, fn, none_hash(fn, seed))
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), 2, hasher)
+
+
 def make_prompts(n: int, seed: int = 0, shared_prefix: int = 32) -> list[list[int]]:
     """``n`` prompts of different lengths; every other one starts with a shared prefix."""
     rng = random.Random(seed)

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from conftest_helpers import make_kv_request
 
 from epdserve.connectors.kv_events import hash_to_int
 from epdserve.engine.core.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
-from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
-from epdserve.engine.core.request import Request
-from epdserve.engine.sampling_params import SamplingParams
 
 BS = 4
 
 
 def make_request(req_id: str, tokens: list[int], seed: str = "s", algo: str = "sha256_cbor"):
-    fn = get_hash_fn(algo)
-    return Request(
-        req_id, tokens, SamplingParams(max_tokens=4), 2, BlockHasher(BS, fn, none_hash(fn, seed))
-    )
+    return make_kv_request(req_id, tokens, BS, seed, algo)
 
 
 def test_null_block_is_taken_and_never_handed_out():
@@ -50,12 +45,12 @@ def test_identical_prompts_share_cached_blocks_and_ref_counts():
     kv = KVCacheManager(10, BS)
     tokens = list(range(10))  # 2 full blocks + 2 tokens
     r1 = make_request("a", tokens)
-    assert kv.get_computed_blocks(r1) == ([], 0)
+    assert kv.get_computed_blocks(r1) == (([],), 0)
     kv.allocate_slots(r1, 10)
     assert kv.get_block_ids("a") == [1, 2, 3]
     r2 = make_request("b", tokens)
     hits, n = kv.get_computed_blocks(r2)
-    assert [b.block_id for b in hits] == [1, 2] and n == 8
+    assert [b.block_id for b in hits[0]] == [1, 2] and n == 8
     kv.allocate_slots(r2, 2, n, hits)
     assert kv.get_block_ids("b") == [1, 2, 4]
     assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
@@ -67,7 +62,7 @@ def test_cache_hit_never_covers_the_last_prompt_token():
     tokens = list(range(8))  # exactly two blocks
     kv.allocate_slots(make_request("a", tokens), 8)
     hits, n = kv.get_computed_blocks(make_request("b", tokens))
-    assert n == 4 and len(hits) == 1
+    assert n == 4 and len(hits[0]) == 1
 
 
 def test_free_releases_tail_first_so_prefix_is_evicted_last():

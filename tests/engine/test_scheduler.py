@@ -47,7 +47,7 @@ def test_new_requests_are_scheduled_whole_within_the_budget():
     s.add_request(make_request("b", 6, first=50))
     out, outputs = run_step(s)
     assert out.num_scheduled_tokens == {"a": 10, "b": 6}
-    assert [r.block_ids for r in out.scheduled_new_reqs] == [[1, 2, 3], [4, 5]]
+    assert [r.block_ids for r in out.scheduled_new_reqs] == [[[1, 2, 3]], [[4, 5]]]
     assert [o.new_token_ids for o in outputs] == [[7], [7]]
 
 

@@ -165,7 +165,7 @@ def test_a_block_that_fails_to_load_is_recomputed_with_every_block_after_it(pod)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 4
     assert out.num_scheduled_tokens == {"a": 10}
     assert (pod.transfer.hits, pod.transfer.load_failures) == (4, 2)
-    assert out.scheduled_new_reqs[0].block_ids == [1, 2, 3, 4]
+    assert out.scheduled_new_reqs[0].block_ids == [[1, 2, 3, 4]]
 
 
 def test_a_finished_request_keeps_its_blocks_and_answer_until_its_save_completes(tmp_path):
