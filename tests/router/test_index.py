@@ -55,6 +55,17 @@ def test_block_removed_evicts_and_cuts_the_chain():
     index.check_integrity()
 
 
+def test_a_hybrid_models_sliding_window_groups_are_not_indexed():
+    index = PrefixIndex()
+    sliding = BlockStored([1, 2], None, PROMPT[:8], BS, None, "GPU", None, None, 1)
+    index.apply("a", batch(stored([1, 2], None, PROMPT[:8]), sliding))
+    assert len(index) == 2
+    # a sliding group dropping its copy does not hide the full-attention group's blocks
+    index.apply("a", batch(BlockRemoved([1, 2], "GPU", 1)))
+    assert index.match(request_keys(PROMPT, BS), ["a"]) == {"a": 2}
+    index.check_integrity()
+
+
 def test_a_block_stored_twice_needs_two_removals():
     index = PrefixIndex()
     index.apply("a", batch(stored([1], None, PROMPT[:4]), stored([1], None, PROMPT[:4])))
