@@ -31,6 +31,7 @@ class EngineConfig:
     kv_transfer_config: str | None = None  # vLLM's --kv-transfer-config JSON
     role: str = "both"  # both | encoder | prefill | decode (DESIGN.md §2)
     ec_transfer_config: str | None = None  # --ec-transfer-config JSON (encoder outputs)
+    mm_processor_kwargs: dict | None = None  # image-processor options, e.g. do_pan_and_scan
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -49,6 +50,10 @@ class EngineConfig:
                 object.__setattr__(self, "enable_kv_events", True)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")
+        if self.mm_processor_kwargs is not None:
+            from epdserve.engine.multimodal.processor import check_processor_kwargs
+
+            check_processor_kwargs(self.mm_processor_kwargs)
         self._check_role()
 
     def _check_role(self) -> None:

@@ -62,12 +62,16 @@ class LLM:
         messages: list[dict],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (or a list of them) of OpenAI-style messages; images allowed."""
+        """One conversation (or a list of them) of OpenAI-style messages; images allowed.
+        ``mm_processor_kwargs`` overrides the engine's image-processor options."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        return self.generate(
-            [self._chat_prompt(c) for c in conversations], sampling_params, use_tqdm
-        )
+        prompts = [self._chat_prompt(c) for c in conversations]
+        if mm_processor_kwargs is not None:
+            for prompt in prompts:
+                prompt["mm_processor_kwargs"] = mm_processor_kwargs
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _chat_prompt(self, conversation: list[dict]) -> dict:
         """OpenAI-style messages (text and image parts) -> a prompt dict for ``generate``."""
@@ -93,7 +97,12 @@ class LLM:
         if self._images is None:
             from epdserve.engine.multimodal.frontend import FrontendMultimodal
 
-            self._images = FrontendMultimodal(self.config.model, self.config.model, self.tokenizer)
+            self._images = FrontendMultimodal(
+                self.config.model,
+                self.config.model,
+                self.tokenizer,
+                processor_kwargs=self.config.mm_processor_kwargs,
+            )
         return self._images
 
     def _mm_prompt(self, prompt: dict) -> tuple[list[int], list[MMFeature]]:
@@ -103,7 +112,10 @@ class LLM:
             i if isinstance(i, LoadedImage) else LoadedImage(i.convert("RGB"), b"") for i in images
         ]
         return self._multimodal().process(
-            prompt["prompt"], loaded, prompt.get("add_special_tokens", True)
+            prompt["prompt"],
+            loaded,
+            prompt.get("add_special_tokens", True),
+            prompt.get("mm_processor_kwargs"),
         )
 
     def _add(self, prompt, params: SamplingParams):

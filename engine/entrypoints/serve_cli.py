@@ -8,6 +8,7 @@ the command line wins.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 
@@ -70,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-config", default=_env("kv_events_config"))
     p.add_argument("--kv-transfer-config", default=_env("kv_transfer_config"))
     p.add_argument("--ec-transfer-config", default=_env("ec_transfer_config"))
+    p.add_argument(
+        "--mm-processor-kwargs",
+        default=_env("mm_processor_kwargs"),
+        help="image-processor options as JSON, e.g. '{\"do_pan_and_scan\": true}'",
+    )
     p.add_argument("--log-level", default=_env("log_level", "info"))
 
 
@@ -100,7 +106,17 @@ def engine_config(args: argparse.Namespace):
         kv_transfer_config=args.kv_transfer_config or None,
         role=args.role,
         ec_transfer_config=args.ec_transfer_config or None,
+        mm_processor_kwargs=_json_flag(args.mm_processor_kwargs, "mm_processor_kwargs"),
     )
+
+
+def _json_flag(text: str | None, name: str):
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc.msg})") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,18 +24,26 @@ class FrontendMultimodal:
         tokenizer: TokenizerInfo,
         limits: ImageLimits | None = None,
         max_images: int = 8,
+        processor_kwargs: dict | None = None,
     ):
         self.limits = limits or ImageLimits()
-        self.processor = ImageProcessor(model_dir, model_id, tokenizer, max_images=max_images)
+        self.processor = ImageProcessor(
+            model_dir, model_id, tokenizer, max_images=max_images, processor_kwargs=processor_kwargs
+        )
 
     def load(self, url: str, where: str) -> LoadedImage:
         return load_image_url(url, self.limits, where)
 
     def process(
-        self, text: str, images: list[LoadedImage], add_special_tokens: bool = False
+        self,
+        text: str,
+        images: list[LoadedImage],
+        add_special_tokens: bool = False,
+        processor_kwargs: dict | None = None,
     ) -> tuple[list[int], list[MMFeature]]:
-        """Token ids with expanded placeholders, and the engine features of the images."""
-        processed = self.processor.process(text, images, add_special_tokens)
+        """Token ids with expanded placeholders, and the engine features of the images
+        (pan-and-scan crops are features of their own)."""
+        processed = self.processor.process(text, images, add_special_tokens, processor_kwargs)
         features = [
             MMFeature(
                 m.identifier,

@@ -1,8 +1,12 @@
 """Prompt + images -> token ids with expanded image placeholders + pixel tensors.
 
 Pixels come from the model's HF image processor (cached by multimodal hash, LRU); the
-placeholder expansion is the HF processor's own ``full_image_sequence``, tokenized with the
+placeholder expansion is the HF processor's own (``replace_image_token``), tokenized with the
 engine's tokenizer, so token ids match ``Gemma3Processor`` exactly.
+
+Pan-and-scan (``do_pan_and_scan``): a wide or tall image also yields up to N crops, each
+its own placeholder span after the original's; each crop is one engine item, named
+``<image id>.<crop>``, so crops are encoded, cached and shared like images.
 """
 
 from __future__ import annotations
@@ -57,6 +61,33 @@ class ProcessorCache:
             self.items.popitem(last=False)
 
 
+PROCESSOR_KWARGS = {
+    "do_pan_and_scan": bool,
+    "pan_and_scan_min_crop_size": int,
+    "pan_and_scan_max_num_crops": int,
+    "pan_and_scan_min_ratio_to_activate": (int, float),
+}
+
+
+def check_processor_kwargs(kwargs, where: str = "mm_processor_kwargs") -> dict:
+    """Validate image-processor options: known names, right types, sane values."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{where}: must be an object, got {type(kwargs).__name__}")
+    for name, value in kwargs.items():
+        kind = PROCESSOR_KWARGS.get(name)
+        if kind is None:
+            raise ValueError(
+                f"{where}.{name}: unknown option; supported: {', '.join(PROCESSOR_KWARGS)}"
+            )
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(f"{where}.{name}: wrong type {type(value).__name__}")
+        if kind is not bool and not 0 < value <= 4096:
+            raise ValueError(f"{where}.{name}: must be in (0, 4096], got {value}")
+    return dict(kwargs)
+
+
 class ImageProcessor:
     """The frontend's multimodal input processor for one image+text model."""
 
@@ -67,6 +98,7 @@ class ImageProcessor:
         tokenizer: TokenizerInfo,
         cache_items: int = 256,
         max_images: int = 8,
+        processor_kwargs: dict | None = None,
     ):
         from transformers import AutoProcessor
 
@@ -76,13 +108,19 @@ class ImageProcessor:
         self.cache = ProcessorCache(cache_items)
         self.max_images = max_images
         self.boi_token = self.hf.boi_token
-        self.full_sequence = self.hf.full_image_sequence
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.image_token_id = config["image_token_index"]  # the soft token, not the marker
-        self.kwargs = {"size": dict(self.hf.image_processor.size)}
+        self.size = dict(self.hf.image_processor.size)
+        defaults = getattr(self.hf, "images_kwargs", {})
+        self.defaults = {k: defaults[k] for k in PROCESSOR_KWARGS if k in defaults}
+        self.defaults.update(check_processor_kwargs(processor_kwargs))
 
     def process(
-        self, prompt: str, images: list[LoadedImage], add_special_tokens: bool = False
+        self,
+        prompt: str,
+        images: list[LoadedImage],
+        add_special_tokens: bool = False,
+        processor_kwargs: dict | None = None,
     ) -> ProcessedPrompt:
         if len(images) > self.max_images:
             raise ValueError(
@@ -93,20 +131,35 @@ class ImageProcessor:
                 f"prompt: has {prompt.count(self.boi_token)} image markers "
                 f"({self.boi_token}) for {len(images)} images"
             )
-        expanded = prompt.replace(self.boi_token, self.full_sequence)
-        ids = self.tok.encode(expanded, add_special_tokens=add_special_tokens)
-        spans = placeholder_spans(ids, self.image_token_id)
-        items = []
-        for image, (offset, length) in zip(images, spans, strict=True):
+        options = {**self.defaults, **check_processor_kwargs(processor_kwargs)}
+        if not options.get("do_pan_and_scan"):  # the other options only matter with it
+            options = {}
+        named = []  # (identifier, [1 + crops, 3, H, W]) per image
+        for image in images:
             ident = mm_hash(
-                self.model_id, "image", image_item_bytes(image.raw, image.image), self.kwargs
+                self.model_id,
+                "image",
+                image_item_bytes(image.raw, image.image),
+                {"size": self.size, **options},
             )
             pixels = self.cache.get(ident)
             if pixels is None:
-                out = self.hf.image_processor(images=[image.image], return_tensors="np")
-                pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+                out = self.hf.image_processor(images=[image.image], return_tensors="np", **options)
+                pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
                 self.cache.put(ident, pixels)
-            items.append(MMItem(ident, pixels, offset, length))
+            named.append((ident, pixels))
+        parts = prompt.split(self.boi_token)
+        expanded = parts[0]
+        for (_, pixels), part in zip(named, parts[1:], strict=True):
+            expanded += self.hf.replace_image_token({"num_crops": [len(pixels) - 1]}, 0) + part
+        ids = self.tok.encode(expanded, add_special_tokens=add_special_tokens)
+        spans = iter(placeholder_spans(ids, self.image_token_id))
+        items = []
+        for ident, pixels in named:
+            for crop, crop_pixels in enumerate(pixels):
+                offset, length = next(spans)
+                name = ident if crop == 0 else f"{ident}.{crop}"
+                items.append(MMItem(name, crop_pixels, offset, length))
         return ProcessedPrompt(ids, items)
 
 

@@ -83,3 +83,47 @@ def test_different_images_with_identical_text_never_share_blocks(reference):
     assert other.num_cached_tokens == 0  # the first block already holds the image
     assert other.outputs[0].token_ids == expected[3]
     assert_no_leak(llm)
+
+
+def wide_image() -> Image.Image:
+    """Noise 3x wider than tall: pan-and-scan cuts it into crops (min crop size 256)."""
+    gen = torch.Generator().manual_seed(5)
+    pixels = torch.randint(0, 256, (300, 900, 3), generator=gen, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+def test_pan_and_scan_crops_match_transformers_and_are_encoded_as_items(models):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = models.get("gemma3")
+    image, text = wide_image(), "what do the crops show"
+    proc = AutoProcessor.from_pretrained(path)
+    hf = AutoModelForImageTextToText.from_pretrained(path)
+    hf.generation_config.eos_token_id = None
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    prompt = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=prompt, images=[image], do_pan_and_scan=True, return_tensors="pt")
+    crops = inputs.pixel_values.shape[0] - 1
+    assert crops >= 2
+    with torch.inference_mode():
+        gen = hf.generate(**inputs, max_new_tokens=12, do_sample=False)
+    expected = gen[0, inputs.input_ids.shape[1] :].tolist()
+
+    llm = LLM(model=str(path), max_model_len=512, mm_processor_kwargs={"do_pan_and_scan": True})
+    conv = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": text}],
+        }
+    ]
+    out = llm.chat(conv, GREEDY)[0]
+    assert out.prompt_token_ids == inputs.input_ids[0].tolist()
+    assert out.outputs[0].token_ids == expected
+    assert llm.engine.runner.encoder_outputs.num_runs == 1 + crops  # the original and each crop
+    # turned off for one request: another identifier, just the original image encoded
+    plain = llm.chat(conv, GREEDY, mm_processor_kwargs={"do_pan_and_scan": False})[0]
+    assert len(plain.prompt_token_ids) < len(out.prompt_token_ids)
+    assert llm.engine.runner.encoder_outputs.num_runs == 2 + crops
+    with pytest.raises(ValueError, match="mm_processor_kwargs.pan_and_scan_max_num_crops"):
+        llm.chat(conv, GREEDY, mm_processor_kwargs={"pan_and_scan_max_num_crops": "4"})
+    assert_no_leak(llm)

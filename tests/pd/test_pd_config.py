@@ -75,3 +75,16 @@ def test_a_decode_pod_without_a_connector_is_refused(monkeypatch):
 def test_the_encoder_role_without_an_encoder_cache_connector_is_refused_clearly(monkeypatch):
     message = refusal(monkeypatch, "--role", "encoder")
     assert "ec_transfer_config" in message and "ec_producer" in message
+
+
+@pytest.mark.parametrize(
+    "flag, fragment",
+    [
+        ("{not json", "mm_processor_kwargs: not valid JSON"),
+        ('{"do_pan_and_scan": 1}', "mm_processor_kwargs.do_pan_and_scan: wrong type"),
+        ('{"pan_and_scan_max_num_crops": 0}', "mm_processor_kwargs.pan_and_scan_max_num_crops"),
+    ],
+)
+def test_bad_mm_processor_kwargs_are_refused_at_start(monkeypatch, flag, fragment):
+    assert fragment in refusal(monkeypatch, "--mm-processor-kwargs", flag)
+    assert fragment in refusal(monkeypatch, EPDSERVE_MM_PROCESSOR_KWARGS=flag)

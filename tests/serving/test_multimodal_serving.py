@@ -102,3 +102,39 @@ def test_bad_images_get_a_400_naming_the_part(gemma_server, url, fragment):
         json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
     )
     assert ok.status_code == 200
+
+
+def test_pan_and_scan_per_request_and_bad_processor_options_get_a_400(gemma_server):
+    client = OpenAI(base_url=gemma_server.url + "/v1", api_key="x", max_retries=0)
+    wide = data_url((20, 90, 200), size=(900, 300))  # 3:1, crops of 300 px
+    plain = chat(client, wide)
+    runs = gemma_server.metric("epdserve:encoder_runs_total")
+    content = [
+        {"type": "image_url", "image_url": {"url": wide}},
+        {"type": "text", "text": "what is it"},
+    ]
+    scanned = client.chat.completions.create(
+        model="tiny",
+        max_tokens=8,
+        temperature=0,
+        messages=[{"role": "user", "content": content}],
+        extra_body={"mm_processor_kwargs": {"do_pan_and_scan": True}},
+    )
+    assert scanned.usage.prompt_tokens > plain.usage.prompt_tokens  # the crops' placeholders
+    assert gemma_server.metric("epdserve:encoder_runs_total") - runs == 4  # original + 3 crops
+    for bad, param in [
+        ({"do_pan_and_scan": "yes"}, "mm_processor_kwargs.do_pan_and_scan"),
+        ({"crop_everything": True}, "mm_processor_kwargs.crop_everything"),
+    ]:
+        resp = httpx.post(
+            gemma_server.url + "/v1/chat/completions",
+            timeout=30,
+            json={
+                "model": "tiny",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": content}],
+                "mm_processor_kwargs": bad,
+            },
+        )
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param

@@ -47,7 +47,10 @@ class ServerState:
         self.serving.role = config.role
         if is_multimodal(config.model):
             self.serving.multimodal = FrontendMultimodal(
-                config.model, served_model_name, self.engine.tokenizer
+                config.model,
+                served_model_name,
+                self.engine.tokenizer,
+                processor_kwargs=config.mm_processor_kwargs,
             )
         self.ready = False
         self.start_error: str | None = None

@@ -110,6 +110,7 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # e.g. {"do_pan_and_scan": true}
 
 
 class TokenizeRequest(BaseModel):

@@ -13,6 +13,7 @@ from epdserve.engine.async_llm import AsyncLLM
 from epdserve.engine.entrypoints.openai.errors import APIError, from_value_error
 from epdserve.engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from epdserve.engine.kv_transfer.params import validate_kv_transfer_params
+from epdserve.engine.multimodal.processor import check_processor_kwargs
 
 _json = msgspec.json.Encoder()
 
@@ -85,8 +86,14 @@ class OpenAIServing:
                 messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
             )
             features = []
+            if req.mm_processor_kwargs is not None and self.multimodal is None:
+                raise ValueError("mm_processor_kwargs: this model takes no image inputs")
             if images:
-                ids, features = self.multimodal.process(text, images)
+                ids, features = self.multimodal.process(
+                    text, images, processor_kwargs=req.mm_processor_kwargs
+                )
+            elif req.mm_processor_kwargs is not None:
+                check_processor_kwargs(req.mm_processor_kwargs)
             else:
                 ids = self.tok.encode(text, add_special_tokens=False)
         except ValueError as exc:
