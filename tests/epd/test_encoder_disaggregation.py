@@ -1,5 +1,6 @@
-"""E -> P -> D through real processes and a real redis-server: same tokens as one pod,
-and the prefill/decode pods never run the vision encoder for images the encoder stored."""
+"""E -> P -> D through real processes, over a real redis-server and over a shared directory:
+same tokens as one pod, and the prefill/decode pods never run the vision encoder for images
+the encoder stored."""
 
 from __future__ import annotations
 
@@ -37,26 +38,28 @@ def body(url: str, text: str = "what is in the picture " * 3) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def pods(models, redis_server):
-    url = redis_server.url
+BACKENDS = {  # (encoder-cache connector, KV connector, what their extra config names)
+    "redis": ("RedisECConnector", "RedisConnector", "url"),
+    "shared": ("SharedStorageECConnector", "SharedStorageConnector", "path"),
+}
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def pods(request, models, tmp_path_factory):
+    ec_name, kv_name, key = BACKENDS[request.param]
+    if key == "url":
+        where = request.getfixturevalue("redis_server").url
+    else:
+        where = str(tmp_path_factory.mktemp("shared") / "cache")
 
     def ec(role):
         return json.dumps(
-            {
-                "ec_connector": "RedisECConnector",
-                "ec_role": role,
-                "ec_connector_extra_config": {"url": url},
-            }
+            {"ec_connector": ec_name, "ec_role": role, "ec_connector_extra_config": {key: where}}
         )
 
     def kv(role):
         return json.dumps(
-            {
-                "kv_connector": "RedisConnector",
-                "kv_role": role,
-                "kv_connector_extra_config": {"url": url},
-            }
+            {"kv_connector": kv_name, "kv_role": role, "kv_connector_extra_config": {key: where}}
         )
 
     model = str(models.get("gemma3"))
@@ -114,7 +117,7 @@ def offline_text(models, url: str) -> str:
     return llm.chat(req["messages"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
 
 
-def test_encoder_then_prefill_then_decode_equals_one_pod(pods, models, redis_url):
+def test_encoder_then_prefill_then_decode_equals_one_pod(pods, models):
     encoder, prefill, decode = pods
     url = data_url((200, 10, 30))
     enc = httpx.post(encoder.url + "/v1/chat/completions", json=body(url), timeout=60).json()

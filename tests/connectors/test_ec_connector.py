@@ -1,0 +1,102 @@
+"""Encoder-cache connectors: one conformance suite over both backends (a real redis-server;
+a shared directory), driven through ``--ec-transfer-config`` exactly as pods build them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from epdserve.connectors.ec_connector import create_ec_connector
+
+IMAGE = "3f" * 32  # an image identifier
+CROP = IMAGE + ".1"  # a pan-and-scan crop of it
+
+
+@pytest.fixture(params=["RedisECConnector", "SharedStorageECConnector"])
+def backend(request, tmp_path):
+    """``make(role, fingerprint="gemma3-tiny", **extra) -> connector`` for one backend."""
+    name = request.param
+    if name == "RedisECConnector":
+        where = {"url": request.getfixturevalue("redis_url")}
+    else:
+        where = {"path": str(tmp_path / "ec")}
+    made = []
+
+    def make(role, fingerprint="gemma3-tiny", **extra):
+        config = {
+            "ec_connector": name,
+            "ec_role": role,
+            "ec_connector_extra_config": {**where, **extra},
+        }
+        connector = create_ec_connector(json.dumps(config), fingerprint)
+        made.append(connector)
+        return connector
+
+    make.name, make.where = name, where
+    yield make
+    for connector in made:
+        connector.close()
+
+
+def test_a_producer_saves_and_a_consumer_finds_and_loads_bit_exact(backend):
+    producer, consumer = backend("ec_producer"), backend("ec_consumer")
+    image, crop = torch.randn(4, 64).to(torch.bfloat16), torch.randn(4, 64).to(torch.bfloat16)
+    assert consumer.has_cache_item([IMAGE, CROP]) == [False, False]
+    producer.save_caches([(IMAGE, image), (CROP, crop)])
+    assert producer.saved == 2
+    assert consumer.has_cache_item([IMAGE, CROP, "other"]) == [True, True, False]
+    got = consumer.start_load_caches([IMAGE, CROP], [(4, 64), (4, 64)], torch.bfloat16)
+    assert torch.equal(got[0], image) and torch.equal(got[1], crop)
+    assert (consumer.lookups, consumer.found, consumer.loaded) == (5, 2, 2)
+
+
+def test_roles_gate_saving_and_lookups(backend):
+    producer, consumer = backend("ec_producer"), backend("ec_consumer")
+    consumer.save_caches([(IMAGE, torch.ones(4, 64))])
+    assert consumer.saved == 0 and producer.stored([IMAGE]) == [False]
+    producer.save_caches([(IMAGE, torch.ones(4, 64))])
+    assert producer.has_cache_item([IMAGE]) == [False]  # producers never load
+    assert producer.stored([IMAGE]) == [True]  # but know not to encode it again
+    both = backend("ec_both")
+    assert both.has_cache_item([IMAGE]) == [True]
+
+
+def test_outputs_of_another_model_pool_shape_or_dtype_are_misses(backend):
+    backend("ec_producer").save_caches([(IMAGE, torch.ones(4, 64))])
+    assert backend("ec_consumer", fingerprint="other-model").has_cache_item([IMAGE]) == [False]
+    assert backend("ec_consumer", pool="other-pool").has_cache_item([IMAGE]) == [False]
+    consumer = backend("ec_consumer")
+    assert consumer.start_load_caches([IMAGE], [(5, 64)], torch.float32) == [None]
+    assert consumer.start_load_caches([IMAGE], [(4, 64)], torch.bfloat16) == [None]
+    assert consumer.load_failures == 2
+    assert torch.equal(
+        consumer.start_load_caches([IMAGE], [(4, 64)], torch.float32)[0], torch.ones(4, 64)
+    )
+
+
+def test_garbage_in_the_store_is_a_miss_not_an_error(backend):
+    consumer = backend("ec_consumer")
+    consumer.store.put_many([(consumer.io.key(IMAGE), b"\x00garbage")])
+    assert consumer.has_cache_item([IMAGE]) == [True]  # present, but...
+    assert consumer.start_load_caches([IMAGE], [(4, 64)], torch.float32) == [None]
+    assert consumer.load_failures == 1
+
+
+def test_an_unreachable_store_is_a_miss_and_saves_fail_softly(backend, read_only):
+    if backend.name == "RedisECConnector":
+        extra = {"url": "redis://127.0.0.1:1/0"}  # nothing listens there
+        producer, consumer = backend("ec_producer", **extra), backend("ec_consumer", **extra)
+        undo = None
+    else:
+        producer, consumer = backend("ec_producer"), backend("ec_consumer")
+        undo = read_only(backend.where["path"])
+    try:
+        producer.save_caches([(IMAGE, torch.ones(4, 64))])
+        assert producer.saved == 0
+        assert consumer.has_cache_item([IMAGE]) == [False]
+        assert consumer.start_load_caches([IMAGE], [(4, 64)], torch.float32) == [None]
+    finally:
+        if undo is not None:
+            undo()
