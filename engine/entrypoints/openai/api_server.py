@@ -113,14 +113,27 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 
 def _install_auth(app: FastAPI, state: ServerState) -> None:
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                return error_response(401, "Unauthorized: missing or invalid API key")
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+
+
+class APIKeyMiddleware:
+    """``/v1/*`` needs ``Authorization: Bearer <key>``. Plain ASGI: Starlette's
+    ``BaseHTTPMiddleware`` would re-stream every SSE chunk through extra tasks and queues."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            token = header[7:] if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                response = error_response(401, "Unauthorized: missing or invalid API key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
