@@ -4,6 +4,7 @@ Services (the pod contract is in docs/operator.md)."""
 from __future__ import annotations
 
 import json
+import math
 
 from epdserve.operator import meta
 from epdserve.operator.spec import SERVE_ROLE, PoolSpec
@@ -135,7 +136,27 @@ def engine_env(pool: PoolSpec, role: str) -> list[dict]:
         env.append(_from_config("EPDSERVE_EC_TRANSFER_CONFIG", config_map, key))
     env += redis_password_env(pool)
     env += [{"name": f"EPDSERVE_{k}", "value": str(v)} for k, v in sorted(pool.tuning.items())]
-    return env + [dict(e) for e in pool.roles[role].env]
+    user = [dict(e) for e in pool.roles[role].env]
+    threads = core_threads(pool.roles[role].resources)
+    if threads and not any(e.get("name") == "OMP_NUM_THREADS" for e in user):
+        env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
+    return env + user
+
+
+def core_threads(resources: dict) -> int | None:
+    """Engine-core threads for a pod's CPU limit (else request): all CPUs but one, which the
+    API process keeps. None when neither is set (the engine then counts the node's CPUs)."""
+    amount = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get(
+        "cpu"
+    )
+    if amount is None:
+        return None
+    text = str(amount)
+    try:
+        cpus = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return None
+    return max(1, math.floor(cpus) - 1)
 
 
 def engine_command(pool: PoolSpec, role: str) -> list[str]:

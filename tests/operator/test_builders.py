@@ -214,3 +214,18 @@ def test_a_config_change_rolls_the_engine_pods():
 def test_builders_are_deterministic():
     body = example("epd-multimodal")
     assert desired_objects(parse_pool(body)) == desired_objects(parse_pool(body))
+
+
+def test_engine_core_threads_follow_the_cpu_limit_leaving_one_for_the_api_process():
+    body = example("pd-redis")
+    body["spec"]["roles"]["prefill"]["resources"] = {"limits": {"cpu": "8"}}
+    body["spec"]["roles"]["decode"]["resources"] = {"requests": {"cpu": "1500m"}}
+    pool = parse_pool(body)
+    assert env_of(engine.build_engine_deployment(pool, "prefill"))["OMP_NUM_THREADS"] == "7"
+    assert env_of(engine.build_engine_deployment(pool, "decode"))["OMP_NUM_THREADS"] == "1"
+    body["spec"]["roles"]["prefill"]["env"] = [{"name": "OMP_NUM_THREADS", "value": "3"}]
+    names = [
+        e["name"]
+        for e in container_of(engine.build_engine_deployment(parse_pool(body), "prefill"))["env"]
+    ]
+    assert names.count("OMP_NUM_THREADS") == 1  # the user's own setting, not ours
