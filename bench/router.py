@@ -231,9 +231,13 @@ def wait_up(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> No
 
 
 async def drive(router_url: str, prompts: list[str]) -> dict:
+    """CONCURRENCY clients in a closed loop; an aiohttp client (C HTTP parser, as vLLM's
+    ``bench serve``) so the load generator takes little of the cores the pods share."""
+    import aiohttp
+
     ttfts, queue = [], list(prompts)
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(session) -> None:
         while queue:
             body = {
                 "model": "tiny",
@@ -244,16 +248,17 @@ async def drive(router_url: str, prompts: list[str]) -> dict:
                 "ignore_eos": True,
             }
             t0 = time.perf_counter()
-            async with client.stream("POST", router_url + "/v1/completions", json=body) as r:
+            async with session.post(router_url + "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 first = None
-                async for _ in r.aiter_raw():
+                async for _ in r.content.iter_any():
                     first = first or time.perf_counter()
             ttfts.append((first or time.perf_counter()) - t0)
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=300) as client:
-        await asyncio.gather(*(worker(client) for _ in range(CONCURRENCY)))
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(worker(session) for _ in range(CONCURRENCY)))
     wall = time.perf_counter() - t0
     return {
         "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1e3, 1),
@@ -307,6 +312,7 @@ def run_strategy(args, strategy: str, model_dir: Path, prompts: list[str], logs:
         ]
         for spec in specs:
             cmd += ["--endpoint", spec]
+        cmd += args.router_args.split()
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_up(f"http://127.0.0.1:{port}/ready", procs, 60)
         hits0, queries0 = pod_counters(specs)
@@ -367,6 +373,7 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=96, help="KV blocks per pod (small caches)")
     p.add_argument("--requests", type=int, default=128, help="requests per strategy")
     p.add_argument("--serve-args", default="", help="extra flags for epdserve serve")
+    p.add_argument("--router-args", default="", help="extra flags for epdserve router")
     args = p.parse_args()
     result = {"ingest": bench_ingest(args.quick), "lookup": bench_lookup(args.quick)}
     if not args.skip_routing:
