@@ -13,7 +13,7 @@ def rms_norm_ref(
     eps: float,
     residual: torch.Tensor | None = None,
 ):
-    """``x / sqrt(mean(x**2, -1) + eps) * weight``, computed in fp32, cast to ``x.dtype``.
+    """``x / sqrt(mean(x**2, -1) + eps) * weight``, normalized in fp32, cast to ``x.dtype``.
 
     With ``residual``: ``x = x + residual`` first (in ``x.dtype``, as HF models add the
     residual stream), and the result is ``(rms_norm(x), x)``, the second being the new
@@ -25,5 +25,10 @@ def rms_norm_ref(
         x = x + residual
     xf = x.float()
     inv = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    out = (xf * inv * weight.float()).to(x.dtype)
+    if weight.dtype == x.dtype != torch.float32:
+        # a weight in the model's dtype scales the already rounded normalized values, in
+        # that dtype (HF Llama/Qwen: ``weight * hidden.to(input_dtype)``)
+        out = (xf * inv).to(x.dtype) * weight
+    else:  # fp32 weight (Gemma's 1 + w): everything in fp32, rounded once
+        out = (xf * inv * weight.float()).to(x.dtype)
     return out if residual is None else (out, x)

@@ -19,10 +19,11 @@ def rotary_embedding_ref(
     ``cos_sin_cache[max_pos, rot_dim]`` holds ``cos`` in its first half and ``sin`` in its
     second half (row = position). ``is_neox=True`` pairs dim ``i`` with ``i + rot_dim/2``
     (HF Llama/Qwen "rotate half"); ``False`` pairs ``2i`` with ``2i+1`` (GPT-J). Math is
-    done in fp32 and cast back. Applied in place; returns ``(q, k)``.
+    done in the tensors' dtype, each product rounded as HF's ``q * cos + rotate_half(q) *
+    sin`` rounds it. Applied in place; returns ``(q, k)``.
     """
     check_rotary(positions, q, k, cos_sin_cache)
-    cos_sin = cos_sin_cache.index_select(0, positions).float()
+    cos_sin = cos_sin_cache.index_select(0, positions).to(q.dtype)
     cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
     rot_dim = cos_sin_cache.shape[1]
     for t in (q, k):
@@ -36,8 +37,7 @@ def _rotate(t: torch.Tensor, cos, sin, rot_dim: int, is_neox: bool) -> None:
         x1, x2 = t[..., :half], t[..., half:rot_dim]
     else:
         x1, x2 = t[..., 0:rot_dim:2], t[..., 1:rot_dim:2]
-    f1, f2 = x1.float(), x2.float()
-    r1 = f1 * cos - f2 * sin
-    r2 = f2 * cos + f1 * sin
+    r1 = x1 * cos - x2 * sin  # in the tensors' dtype: bf16 rounds each product, as HF
+    r2 = x2 * cos + x1 * sin
     x1.copy_(r1)
     x2.copy_(r2)

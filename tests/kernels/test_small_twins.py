@@ -44,13 +44,15 @@ def test_public_reshape_and_cache_uses_the_twin_on_cpu():
     assert torch.equal(key_cache[1, 4], key[0])
 
 
-def test_rms_norm_normalises_in_fp32_and_casts_back():
+def test_rms_norm_normalises_in_fp32_and_scales_as_hf_does_for_the_weight_dtype():
     x = torch.randn(3, 4, 32).to(torch.bfloat16)
-    w = torch.randn(32).to(torch.bfloat16)
     xf = x.float()
-    expected = (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).bfloat16()
+    normalized = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+    w = torch.randn(32).to(torch.bfloat16)  # Llama/Qwen: weight * hidden.to(input_dtype)
     out = rms_norm_ref(x, w, 1e-5)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, w * normalized.bfloat16())
+    w32 = 1 + torch.randn(32)  # Gemma's fp32 (1 + w): all in fp32, rounded once
+    assert torch.equal(rms_norm_ref(x, w32, 1e-5), (normalized * w32).bfloat16())
 
 
 def test_rms_norm_with_residual_returns_the_norm_of_the_sum_and_the_sum():
