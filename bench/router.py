@@ -125,7 +125,7 @@ def bench_lookup(quick: bool) -> dict:
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("round-robin", "least-load", "prefix+load")
-TENANTS, PREFIX_WORDS, SUFFIX_WORDS, CONCURRENCY, MAX_TOKENS = 6, 150, 30, 6, 8
+TENANTS, PREFIX_WORDS, SUFFIX_WORDS, MAX_TOKENS = 6, 150, 30, 8
 WORDS = [
     "alpha",
     "beta",
@@ -230,8 +230,8 @@ def wait_up(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> No
     raise RuntimeError(f"{url} not up in {timeout}s")
 
 
-async def drive(router_url: str, prompts: list[str]) -> dict:
-    """CONCURRENCY clients in a closed loop; an aiohttp client (C HTTP parser, as vLLM's
+async def drive(router_url: str, prompts: list[str], concurrency: int) -> dict:
+    """``concurrency`` clients in a closed loop; an aiohttp client (C HTTP parser, as vLLM's
     ``bench serve``) so the load generator takes little of the cores the pods share."""
     import aiohttp
 
@@ -258,7 +258,7 @@ async def drive(router_url: str, prompts: list[str]) -> dict:
     t0 = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(*(worker(session) for _ in range(CONCURRENCY)))
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     return {
         "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1e3, 1),
@@ -316,7 +316,7 @@ def run_strategy(args, strategy: str, model_dir: Path, prompts: list[str], logs:
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_up(f"http://127.0.0.1:{port}/ready", procs, 60)
         hits0, queries0 = pod_counters(specs)
-        result = asyncio.run(drive(f"http://127.0.0.1:{port}", prompts))
+        result = asyncio.run(drive(f"http://127.0.0.1:{port}", prompts, args.concurrency))
         hits1, queries1 = pod_counters(specs)
         result["prefix_hit_rate"] = round((hits1 - hits0) / max(1.0, queries1 - queries0), 4)
         return result
@@ -344,7 +344,7 @@ def bench_routing(args) -> dict:
                 "num_pods": args.num_pods,
                 "kv_blocks_per_pod": args.num_blocks,
                 "requests": args.requests,
-                "concurrency": CONCURRENCY,
+                "concurrency": args.concurrency,
                 "oracle_hit_rate": round(oracle_hit_rate(model_dir, prompts), 4),
             }
             for strategy in STRATEGIES:
@@ -372,6 +372,7 @@ def main() -> None:
     p.add_argument("--preset", default="small", help="make-model preset of the served model")
     p.add_argument("--num-blocks", type=int, default=96, help="KV blocks per pod (small caches)")
     p.add_argument("--requests", type=int, default=128, help="requests per strategy")
+    p.add_argument("--concurrency", type=int, default=6, help="clients in a closed loop")
     p.add_argument("--serve-args", default="", help="extra flags for epdserve serve")
     p.add_argument("--router-args", default="", help="extra flags for epdserve router")
     args = p.parse_args()
