@@ -14,7 +14,6 @@ from epdserve.connectors.kv_connector import ScheduledRequest
 from epdserve.engine.core.interfaces import (
     CachedRequestData,
     EngineCoreOutput,
-    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -22,6 +21,7 @@ from epdserve.engine.core.interfaces import (
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
+from epdserve.engine.core.sched_utils import check_stop, make_output
 from epdserve.engine.kv_transfer.coordinator import LoadStart
 
 if TYPE_CHECKING:
@@ -269,8 +269,8 @@ class Scheduler:
                 continue  # a partial prefill chunk
             if token_ids:
                 request.append_output_token_ids(token_ids)
-                self._check_stop(request)
-            output = self._make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
+                check_stop(request, self.max_model_len)
+            output = make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
             held = False
             if request.is_finished:
                 self.running.remove(request)
@@ -280,40 +280,6 @@ class Scheduler:
             else:
                 outputs.append(output)
         return outputs
-
-    def _make_output(
-        self,
-        request: Request,
-        token_ids,
-        logprobs: Logprobs | None,
-        prompt_logprobs: Logprobs | None,
-    ) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request.request_id,
-            list(token_ids),
-            logprobs,
-            prompt_logprobs,
-            request.status.finish_reason,
-            request.stop_reason,
-            max(request.num_cached_tokens, 0),
-        )
-
-    def _check_stop(self, request: Request) -> None:
-        params = request.params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return
-            if last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
 
     # --- stats ---------------------------------------------------------------------------
     def num_running(self) -> int:
