@@ -42,11 +42,16 @@ class HFReference:
         self.cache = {}
 
     def greedy(self, path, prompts, max_new=MAX_NEW, dtype=torch.float32) -> list[list[int]]:
-        from transformers import AutoModelForCausalLM
+        import json
+        from pathlib import Path
+
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         key = (str(path), dtype, max_new, tuple(map(tuple, prompts)))
         if key not in self.cache:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            image_text = "vision_config" in json.loads((Path(path) / "config.json").read_text())
+            auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+            model = auto.from_pretrained(path, dtype=dtype)
             model.generation_config.eos_token_id = None  # compare with ignore_eos=True
             outs = []
             with torch.inference_mode():

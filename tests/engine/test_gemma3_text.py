@@ -12,22 +12,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def gemma3_reference(models):
-    from transformers import AutoModelForImageTextToText
-
+def gemma3_reference(models, hf_reference):
     path = models.get("gemma3")
     prompts = make_prompts(8, seed=2)
-    hf = AutoModelForImageTextToText.from_pretrained(path)
-    hf.generation_config.eos_token_id = None
-    ref = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False
-            )
-            ref.append(out[0, len(p) :].tolist())
-    return path, prompts, ref
+    return path, prompts, hf_reference.greedy(path, prompts)
 
 
 @pytest.mark.parametrize(

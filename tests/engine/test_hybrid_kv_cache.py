@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from conftest_helpers import assert_no_leak, make_kv_request
 
 from epdserve.engine import LLM, SamplingParams
@@ -75,13 +74,20 @@ def test_sliding_groups_free_blocks_out_of_the_window_and_the_full_group_keeps_t
     kv.pool.check_integrity()
 
 
+def computed_past_the_window(kv: KVCacheManager, req_id: str, tokens: list[int]):
+    """A request whose 70 tokens are computed, one more allocated: sliding blocks 0 and 1
+    are out of the next query's window, so they were freed (and stay cached while free)."""
+    request = make_request(req_id, tokens)
+    kv.allocate_slots(request, len(tokens))
+    request.num_computed_tokens = len(tokens)
+    kv.allocate_slots(request, 1)
+    return request
+
+
 def test_sliding_hit_is_found_right_to_left_and_needs_no_blocks_before_the_window():
     kv = hybrid_manager(40)
     tokens = list(range(70))
-    a = make_request("a", tokens)
-    kv.allocate_slots(a, 70)
-    a.num_computed_tokens = 70
-    kv.allocate_slots(a, 1)  # frees sliding blocks 0 and 1 (they stay cached while free)
+    a = computed_past_the_window(kv, "a", tokens)
     b = make_request("b", tokens)
     hits, n = kv.get_computed_blocks(b)
     assert n == 4 * BS  # (70 - 1) // 16 whole blocks
@@ -101,10 +107,7 @@ def test_sliding_hit_is_found_right_to_left_and_needs_no_blocks_before_the_windo
 def test_the_hit_is_the_longest_prefix_every_group_agrees_on():
     kv = hybrid_manager(48)
     tokens = list(range(70))
-    a = make_request("a", tokens)
-    kv.allocate_slots(a, 70)
-    a.num_computed_tokens = 70
-    kv.allocate_slots(a, 1)  # sliding blocks 0, 1 freed now: first in line for eviction
+    a = computed_past_the_window(kv, "a", tokens)  # sliding blocks 0, 1: first to be evicted
     kv.free(a)
     first_sliding = kv.pool.get_cached_block(a.block_hashes[0], 1)
     fillers = 0
@@ -135,22 +138,12 @@ def test_kv_events_name_each_group():
 
 
 @pytest.fixture(scope="module")
-def long_prompts(models):
-    from transformers import AutoModelForImageTextToText
-
+def long_prompts(models, hf_reference):
     path = models.get("gemma3")
     rng = random.Random(7)
     shared = [rng.randrange(10, 4000) for _ in range(120)]
     prompts = [shared + [rng.randrange(10, 4000) for _ in range(n)] for n in (30, 45)]
-    hf = AutoModelForImageTextToText.from_pretrained(path)
-    hf.generation_config.eos_token_id = None
-    ref = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12)
-            ref.append(out[0, len(p) :].tolist())
-    return path, prompts, ref
+    return path, prompts, hf_reference.greedy(path, prompts, max_new=12)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
