@@ -208,7 +208,9 @@ def start_pod(args, model_dir: Path, logs: Path) -> tuple[subprocess.Popen, str]
             "--max-model-len",
             "1024",
             "--kv-cache-memory",
-            str(args.num_blocks * block_bytes(model_dir)),
+            str(args.num_blocks * block_bytes(model_dir, 2 if args.dtype == "bfloat16" else 4)),
+            "--dtype",
+            args.dtype,
         ]
         cmd += args.serve_args.split()
     log = open(logs / f"pod-{port}.log", "w")  # noqa: SIM115
@@ -343,6 +345,7 @@ def bench_routing(args) -> dict:
                 "pods": args.pods,
                 "num_pods": args.num_pods,
                 "kv_blocks_per_pod": args.num_blocks,
+                "dtype": args.dtype,
                 "requests": args.requests,
                 "concurrency": args.concurrency,
                 "oracle_hit_rate": round(oracle_hit_rate(model_dir, prompts), 4),
@@ -374,6 +377,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=128, help="requests per strategy")
     p.add_argument("--concurrency", type=int, default=6, help="clients in a closed loop")
     p.add_argument("--serve-args", default="", help="extra flags for epdserve serve")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="pods'")
     p.add_argument("--router-args", default="", help="extra flags for epdserve router")
     args = p.parse_args()
     result = {"ingest": bench_ingest(args.quick), "lookup": bench_lookup(args.quick)}
