@@ -11,6 +11,7 @@ from epdserve.engine.core.block_pool import BlockPool, KVCacheBlock
 from epdserve.engine.core.kv_cache_groups import (
     FullAttentionManager,
     KVCacheSpec,
+    SlidingWindowManager,
     cdiv,
     make_managers,
 )
@@ -38,6 +39,7 @@ class KVCacheManager:
         else:
             self.managers = make_managers(spec, self.pool, block_size)
         self.num_groups = len(self.managers)
+        self.sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
         self.req_blocks: dict[str, GroupBlocks] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
@@ -82,30 +84,37 @@ class KVCacheManager:
         ``delay_cache``: the new blocks are still being filled (a KV connector's load), so
         they are not named in the prefix cache until ``cache_blocks`` says they are valid."""
         rid = request.request_id
-        hits = new_computed_blocks or tuple([] for _ in self.managers)
-        blocks = self.req_blocks.get(rid) or tuple([] for _ in self.managers)
-        # blocks out of every future query's window go back first (sliding groups)
-        for manager, group_blocks in zip(self.managers, blocks, strict=True):
-            manager.remove_skipped_blocks(group_blocks, request.num_computed_tokens)
+        blocks = self.req_blocks.get(rid)
+        if blocks is None:
+            blocks = tuple([[] for _ in self.managers])
+        else:  # blocks out of every future query's window go back first (sliding groups)
+            for manager in self.sliding:
+                manager.remove_skipped_blocks(
+                    blocks[manager.group_idx], request.num_computed_tokens
+                )
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         want = cdiv(total, self.block_size)
-        needs = [max(want - len(b) - len(h), 0) for b, h in zip(blocks, hits, strict=True)]
-        # hit blocks sitting in the free queue stop being evictable once touched
-        evictable = sum(1 for h in hits for b in h if b.ref_cnt == 0 and not b.is_null)
+        hits = new_computed_blocks if new_computed_blocks and any(new_computed_blocks) else None
+        if hits is None:
+            needs = [max(want - len(b), 0) for b in blocks]
+            evictable = 0
+        else:
+            needs = [max(want - len(b) - len(h), 0) for b, h in zip(blocks, hits, strict=True)]
+            # hit blocks sitting in the free queue stop being evictable once touched
+            evictable = sum(1 for h in hits for b in h if b.ref_cnt == 0 and not b.is_null)
         if sum(needs) > self.pool.get_num_free_blocks() - evictable:
-            if not any(blocks):
-                self.req_blocks.pop(rid, None)
             return None
         self.req_blocks[rid] = blocks
-        if any(hits):
+        if hits is not None:
             for group_blocks, group_hits in zip(blocks, hits, strict=True):
                 self.pool.touch(group_hits)
                 group_blocks.extend(group_hits)
             # cache hits are already named: events for later blocks chain from the last hit
             self.num_cached_blocks[rid] = max(self.num_cached_blocks.get(rid, 0), len(blocks[0]))
-        new = tuple(self.pool.get_new_blocks(n) if n else [] for n in needs)
+        new = tuple([self.pool.get_new_blocks(n) if n else [] for n in needs])
         for group_blocks, group_new in zip(blocks, new, strict=True):
-            group_blocks.extend(group_new)
+            if group_new:
+                group_blocks.extend(group_new)
         if not delay_cache:
             self._cache_blocks(request, blocks, total)
         return new
