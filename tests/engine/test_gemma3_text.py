@@ -18,16 +18,28 @@ def gemma3_reference(models, hf_reference):
     return path, prompts, hf_reference.greedy(path, prompts)
 
 
-@pytest.mark.parametrize(
-    "regime", [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 16}]
-)
+BLOCK_BYTES = 2 * 16 * 2 * 64 * 4  # one layer per hybrid group: K/V * block * kv heads * dim * fp32
+REGIMES = {
+    "prefix-caching": {},
+    "no-prefix-caching": {"enable_prefix_caching": False},
+    "chunked-prefill": {"max_num_batched_tokens": 16},
+    # 60 blocks over 4 groups: the 8 prompts cannot all run at once
+    "preemption": {"kv_cache_memory": 60 * BLOCK_BYTES, "max_model_len": 192},
+    "one-group": {"disable_hybrid_kv_cache_manager": True},
+}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
 def test_gemma3_text_greedy_matches_transformers(gemma3_reference, regime):
     path, prompts, ref = gemma3_reference
     assert max(len(p) for p in prompts) > 32  # longer than the sliding window
-    llm = LLM(model=str(path), max_model_len=512, **regime)
+    llm = LLM(model=str(path), **{"max_model_len": 512, **REGIMES[regime]})
+    assert llm.engine.kv.num_groups == (1 if regime == "one-group" else 4)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert_no_leak(llm)
+    if regime == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_vision_encoder_matches_transformers_image_features(models):
