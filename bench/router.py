@@ -6,12 +6,15 @@ Prints one JSON object:
   * ``lookup``: request keys + longest-prefix match for a 4k-token prompt over an index of
     100k blocks on 4 pods; p50/p99 ms (target p99 <= 2 ms).
   * ``routing``: one shared-prefix multi-tenant workload through the real router, once per
-    strategy (round-robin, least-load, prefix+load), over the same pods with small KV caches:
+    strategy (round-robin, least-load, prefix+load) and client count (``--concurrency 3,6``:
+    one and two clients per pod by default), each from cold pods with small KV caches:
     prefix-hit rate (pods' vllm:prefix_cache_hits/queries) vs the oracle's, TTFT p50/p90,
-    throughput. Pods are ``epdserve serve`` processes, or ``--pods standin`` (a simulated
-    prefix cache, for exercising the harness only; its times are not an engine's).
+    throughput. Pods are ``epdserve serve`` processes (bf16 by default), or ``--pods
+    standin`` (a simulated prefix cache, for exercising the harness only; its times are not
+    an engine's).
 
     .venv/bin/python bench/router.py [--quick] [--skip-routing] [--pods serve|standin]
+        [--concurrency 3,6] [--requests 256] [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -318,7 +321,7 @@ def run_strategy(args, strategy: str, model_dir: Path, prompts: list[str], logs:
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_up(f"http://127.0.0.1:{port}/ready", procs, 60)
         hits0, queries0 = pod_counters(specs)
-        result = asyncio.run(drive(f"http://127.0.0.1:{port}", prompts, args.concurrency))
+        result = asyncio.run(drive(f"http://127.0.0.1:{port}", prompts, args.clients))
         hits1, queries1 = pod_counters(specs)
         result["prefix_hit_rate"] = round((hits1 - hits0) / max(1.0, queries1 - queries0), 4)
         return result
@@ -333,9 +336,11 @@ def run_strategy(args, strategy: str, model_dir: Path, prompts: list[str], logs:
 
 
 def bench_routing(args) -> dict:
+    """Every strategy at every client count, each from cold pods; speedups per client count."""
     from epdserve.engine.make_model import make_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    levels = [int(c) for c in str(args.concurrency).split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         try:
@@ -347,21 +352,24 @@ def bench_routing(args) -> dict:
                 "kv_blocks_per_pod": args.num_blocks,
                 "dtype": args.dtype,
                 "requests": args.requests,
-                "concurrency": args.concurrency,
                 "oracle_hit_rate": round(oracle_hit_rate(model_dir, prompts), 4),
+                "by_concurrency": {},
             }
-            for strategy in STRATEGIES:
-                out[strategy] = run_strategy(args, strategy, model_dir, prompts, logs)
+            for level in levels:
+                args.clients = level
+                runs = {s: run_strategy(args, s, model_dir, prompts, logs) for s in STRATEGIES}
+                out["by_concurrency"][str(level)] = runs
         except Exception as exc:  # no serve in this build, a pod that crashed: say so in the JSON
             tails = [p.read_text()[-400:] for p in sorted(logs.glob("pod-*.log"))[:1]]
             return {"skipped": f"{type(exc).__name__}: {exc}", "pod_log_tail": tails}
-    rr, pl = out["round-robin"], out["prefix+load"]
-    out["ttft_p90_speedup_prefix_load_vs_round_robin"] = round(
-        rr["ttft_p90_ms"] / max(pl["ttft_p90_ms"], 1e-9), 2
-    )
-    out["prefix_load_hit_rate_vs_oracle"] = round(
-        pl["prefix_hit_rate"] / max(out["oracle_hit_rate"], 1e-9), 3
-    )
+    for runs in out["by_concurrency"].values():
+        rr, pl = runs["round-robin"], runs["prefix+load"]
+        runs["ttft_p90_speedup_prefix_load_vs_round_robin"] = round(
+            rr["ttft_p90_ms"] / max(pl["ttft_p90_ms"], 1e-9), 2
+        )
+        runs["prefix_load_hit_rate_vs_oracle"] = round(
+            pl["prefix_hit_rate"] / max(out["oracle_hit_rate"], 1e-9), 3
+        )
     out["targets"] = {"ttft_p90_speedup": 3.0, "hit_rate_vs_oracle": 0.8}
     return out
 
@@ -374,10 +382,12 @@ def main() -> None:
     p.add_argument("--num-pods", type=int, default=3)
     p.add_argument("--preset", default="small", help="make-model preset of the served model")
     p.add_argument("--num-blocks", type=int, default=96, help="KV blocks per pod (small caches)")
-    p.add_argument("--requests", type=int, default=128, help="requests per strategy")
-    p.add_argument("--concurrency", type=int, default=6, help="clients in a closed loop")
+    p.add_argument("--requests", type=int, default=256, help="requests per strategy and load")
+    p.add_argument(
+        "--concurrency", default="3,6", help="clients in a closed loop; a comma list runs each"
+    )
     p.add_argument("--serve-args", default="", help="extra flags for epdserve serve")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="pods'")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="pods'")
     p.add_argument("--router-args", default="", help="extra flags for epdserve router")
     args = p.parse_args()
     result = {"ingest": bench_ingest(args.quick), "lookup": bench_lookup(args.quick)}
