@@ -287,7 +287,9 @@ def pod_counters(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def run_strategy(args, strategy: str, model_dir: Path, prompts: list[str], logs: Path) -> dict:
+def run_strategy(
+    args, strategy: str, clients: int, model_dir: Path, prompts: list[str], logs: Path
+) -> dict:
     procs, specs = [], []
     try:
         for _ in range(args.num_pods):  # fresh pods: every strategy starts from cold caches
@@ -321,7 +323,7 @@ def run_strategy(args, strategy: str, model_dir: Path, prompts: list[str], logs:
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_up(f"http://127.0.0.1:{port}/ready", procs, 60)
         hits0, queries0 = pod_counters(specs)
-        result = asyncio.run(drive(f"http://127.0.0.1:{port}", prompts, args.clients))
+        result = asyncio.run(drive(f"http://127.0.0.1:{port}", prompts, clients))
         hits1, queries1 = pod_counters(specs)
         result["prefix_hit_rate"] = round((hits1 - hits0) / max(1.0, queries1 - queries0), 4)
         return result
@@ -356,8 +358,9 @@ def bench_routing(args) -> dict:
                 "by_concurrency": {},
             }
             for level in levels:
-                args.clients = level
-                runs = {s: run_strategy(args, s, model_dir, prompts, logs) for s in STRATEGIES}
+                runs = {
+                    s: run_strategy(args, s, level, model_dir, prompts, logs) for s in STRATEGIES
+                }
                 out["by_concurrency"][str(level)] = runs
         except Exception as exc:  # no serve in this build, a pod that crashed: say so in the JSON
             tails = [p.read_text()[-400:] for p in sorted(logs.glob("pod-*.log"))[:1]]

@@ -13,7 +13,7 @@ from epdserve.connectors.kv_connector import KVTransferConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature, SchedulerStats
-from epdserve.engine.core.kv_cache_groups import make_kv_cache_spec, make_managers
+from epdserve.engine.core.kv_cache_groups import make_kv_cache_spec
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
@@ -111,10 +111,8 @@ class EngineCore:
     def _num_blocks(self, dtype: torch.dtype) -> int:
         cfg = self.config
         per_block = kv_block_bytes(self.model, cfg.block_size, dtype, self.kv_spec.slots)
-        # blocks one sequence can hold at once, over all groups (sliding ones are bounded)
-        need = 1 + sum(
-            m.max_blocks_per_request(self.max_model_len, cfg.max_num_batched_tokens)
-            for m in make_managers(self.kv_spec, None, cfg.block_size)
+        need = 1 + self.kv_spec.blocks_per_request(
+            cfg.block_size, self.max_model_len, cfg.max_num_batched_tokens
         )
         if cfg.kv_cache_memory is not None:
             num = cfg.kv_cache_memory // per_block

@@ -35,10 +35,6 @@ class KVCacheSpec:
     groups: tuple[KVCacheGroup, ...]
     slots: int  # layers per group (the last group of a kind may leave slots unused)
 
-    @property
-    def is_hybrid(self) -> bool:
-        return len(self.groups) > 1
-
     def layer_placement(self) -> list[tuple[int, int]]:
         """``(group, slot)`` of every layer, in layer order."""
         out = {}
@@ -46,6 +42,17 @@ class KVCacheSpec:
             for slot, layer in enumerate(group.layers):
                 out[layer] = (g, slot)
         return [out[i] for i in range(len(out))]
+
+    def blocks_per_request(self, block_size: int, max_len: int, max_chunk: int) -> int:
+        """Most blocks one sequence of ``max_len`` tokens holds at once, over all groups: a
+        sliding group holds the window before a step's first query plus the step's chunk."""
+        whole = cdiv(max_len, block_size)
+        return sum(
+            whole
+            if g.sliding_window is None
+            else min(whole, cdiv(g.sliding_window - 1 + max_chunk, block_size) + 1)
+            for g in self.groups
+        )
 
 
 def make_kv_cache_spec(layer_windows: list[int | None], hybrid: bool = True) -> KVCacheSpec:
@@ -83,12 +90,6 @@ class FullAttentionManager:
             hits.append(block)
         return hits
 
-    def remove_skipped_blocks(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
-        """Nothing falls out of a full-attention window."""
-
-    def max_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return cdiv(max_model_len, self.block_size)
-
 
 class SlidingWindowManager(FullAttentionManager):
     def __init__(self, pool: BlockPool, block_size: int, group_idx: int, window: int):
@@ -122,10 +123,6 @@ class SlidingWindowManager(FullAttentionManager):
             freed.append(blocks[i])
             blocks[i] = self.pool.null_block
         self.pool.free_blocks(freed)
-
-    def max_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        live = cdiv(self.window - 1 + max_num_batched_tokens, self.block_size) + 1
-        return min(live, cdiv(max_model_len, self.block_size))
 
 
 def make_managers(spec: KVCacheSpec, pool: BlockPool, block_size: int) -> list:

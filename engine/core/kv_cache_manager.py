@@ -157,15 +157,11 @@ class KVCacheManager:
         return self.req_blocks.pop(request.request_id, ())
 
     def release(self, blocks: GroupBlocks) -> None:
-        """Drop the references ``detach`` kept, tail first (every group's tail before any
-        group's head, so prefixes outlive suffixes)."""
-        ordered = []
-        for group_blocks in blocks:
-            ordered.extend(reversed(group_blocks))
-        if len(blocks) > 1:
-            position = {id(b): -i for g in blocks for i, b in enumerate(g)}
-            ordered.sort(key=lambda b: position[id(b)])
-        self.pool.free_blocks(ordered)
+        """Drop the references ``detach`` kept, tail first across groups (they grow in
+        lockstep), so prefixes outlive suffixes."""
+        if blocks:
+            tail_first = range(len(blocks[0]) - 1, -1, -1)
+            self.pool.free_blocks([g[i] for i in tail_first for g in blocks])
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Group 0's block ids (what KV connectors move)."""
