@@ -50,21 +50,10 @@ class RedisServer:
         import subprocess
         import time
 
-        binary = find_redis_server()
+        from epdserve.engine.entrypoints.up_cli import redis_command
+
         self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
+            redis_command(find_redis_server(), self.port, self.workdir),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

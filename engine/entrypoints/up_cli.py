@@ -127,23 +127,14 @@ def start_redis(pool: Pool) -> str:
     if binary is None:
         raise RuntimeError("redis-server not found (apt-get install redis-server)")
     port = free_port()
-    pool.spawn(
-        "redis",
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(pool.workdir),
-        ],
-    )
+    pool.spawn("redis", redis_command(binary, port, pool.workdir))
     return f"redis://127.0.0.1:{port}/0"
+
+
+def redis_command(binary: str, port: int, workdir) -> list[str]:
+    """A throwaway local redis-server: loopback only, no persistence."""
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+            "no", "--dir", str(workdir)]  # fmt: skip
 
 
 def start_engine(pool: Pool, args, model: str, name: str, role: str, extra: list[str]) -> str:
