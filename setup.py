@@ -31,6 +31,10 @@ for folder in CODE_FOLDERS:
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"epdserve.engine": ["**/*.jinja"], "epdserve.operator": ["**/*.yaml"]},
+    package_data={
+        "epdserve.engine": ["**/*.jinja"],
+        "epdserve.operator": ["**/*.yaml"],
+        "epdserve.kernels": ["csrc/*.c"],
+    },
     cmdclass={"build_py": BuildPy},
 )

@@ -1,4 +1,9 @@
-"""Torch twin of the paged attention kernel: the engine's CPU attention path.
+"""CPU twin of the paged attention kernel: the engine's CPU attention path.
+
+Decode sequences (one query token) go to the C kernel of ``native.py``
+(``csrc/paged_decode.c``: the cache read in place, bfloat16 softmax as torch's flash
+kernel computes it) when it is built; otherwise, and for every longer query span, the
+computation is torch: SDPA per prefill span, batched padded decode (``decode_ref``).
 
 Layout and semantics (shared with the Triton kernel):
 
@@ -14,7 +19,7 @@ Layout and semantics (shared with the Triton kernel):
 - ``sliding_window=W``: a query at absolute position ``p`` sees keys in ``(p - W, p]``.
 - ``soft_cap=c``: ``logits = c * tanh(logits / c)`` after scaling by ``scale``.
 - ``block_table`` entries past a sequence's last block are ignored (negative ones included).
-- Cache slots past a sequence's length may be read by the twin's padded decode path and
+- Cache slots past a sequence's length may be read by the torch padded decode path and
   masked out; they must hold finite values (allocate the cache with ``torch.zeros``), since
   ``0 * nan`` is ``nan``. The Triton kernel never reads them.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from epdserve.kernels import native
 from epdserve.kernels.checks import check_paged_attention
 from epdserve.kernels.decode_ref import decode_attention, length_groups
 from epdserve.kernels.gather import block_ids, gather_blocks
@@ -42,9 +48,10 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; returns ``out[T, H, D]`` in query's dtype.
 
-    Decode sequences (q_len == 1) run as padded, masked, batched computations
-    (``decode_ref``), split into a few groups of similar length when padding everyone to the
-    longest would waste a lot; each longer query span runs one SDPA of its own.
+    Decode sequences (q_len == 1) run in one call of the C kernel when it is available, else
+    as padded, masked, batched computations (``decode_ref``), split into a few groups of
+    similar length when padding everyone to the longest would waste a lot; each longer query
+    span runs one SDPA of its own.
     """
     check_paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
@@ -57,6 +64,9 @@ def paged_attention_ref(
     _check_lengths(q_lens, lens, block_table.shape[1] * key_cache.shape[1])
     args = (key_cache, value_cache, block_table, scale, sliding_window, soft_cap)
     decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode and native.supports(query, key_cache, value_cache):
+        _decode_native(out, query, decode, starts, lens, args)
+        decode = []
     bs = key_cache.shape[1]
     for group in length_groups(decode, [-(-lens[i] // bs) for i in decode]):
         if len(group) == len(q_lens):  # every sequence, in order: no index shuffling
@@ -71,6 +81,19 @@ def paged_attention_ref(
             a = starts[i]
             out[a : a + n] = _prefill_one(query[a : a + n], i, lens[i], args)
     return out
+
+
+def _decode_native(out, query, decode, starts, lens, args) -> None:
+    """All decode sequences in one call of the C kernel, reading the cache in place."""
+    key_cache, value_cache, block_table, scale, window, soft_cap = args
+    if len(decode) == len(starts) - 1:  # every sequence decodes, in order
+        out.copy_(native.paged_decode(query, key_cache, value_cache, block_table, None, lens,
+                                      scale, window, soft_cap))  # fmt: skip
+        return
+    rows = torch.tensor([starts[i] for i in decode], device=query.device)
+    res = native.paged_decode(query.index_select(0, rows), key_cache, value_cache, block_table,
+                              decode, [lens[i] for i in decode], scale, window, soft_cap)  # fmt: skip
+    out.index_copy_(0, rows, res)
 
 
 def _check_lengths(q_lens: list[int], lens: list[int], capacity: int) -> None:

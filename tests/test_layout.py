@@ -135,4 +135,5 @@ def test_wheel_ships_every_code_file_and_nothing_from_the_root(tmp_path):
     }
     assert expected <= names, sorted(expected - names)[:10]
     assert "epdserve/__init__.py" in names
+    assert "epdserve/kernels/csrc/paged_decode.c" in names  # built at run time
     assert "epdserve/setup.py" not in names

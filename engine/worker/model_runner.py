@@ -17,6 +17,7 @@ from epdserve.engine.models.decoder import AttentionMetadata, DecoderLM
 from epdserve.engine.sample.sampler import SamplingRow, compute_logprobs, sample
 from epdserve.engine.worker.input_batch import InputBatch
 from epdserve.engine.worker.mm_inputs import EncoderOutputs, place_image_embeddings
+from epdserve.kernels import native
 
 
 def kv_block_bytes(model: DecoderLM, block_size: int, dtype: torch.dtype, slots: int) -> int:
@@ -48,6 +49,8 @@ class ModelRunner:
         )
         placement = spec.layer_placement()
         self.layer_caches = [(self.kv_cache[:, j, 0], self.kv_cache[:, j, 1]) for _, j in placement]
+        if self.kv_cache.device.type == "cpu":
+            native.available()  # build the C decode kernel now, not on the first request
         self.layer_groups = [g for g, _ in placement]
         self.batch = InputBatch(max_num_reqs, max_model_len, block_size, len(spec.groups))
         self.kv_connector = kv_connector  # worker side of a KV connector, if any

@@ -1,4 +1,8 @@
-"""The torch twin of paged attention matches a naive dense causal attention."""
+"""The CPU twin of paged attention matches a naive dense causal attention.
+
+Every test runs twice: with decode on the C kernel (``native``) and on the torch batched
+decode it replaces when no compiler is available.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,19 @@ import pytest
 import torch
 from kernels_testlib import make_batch, naive_attention, random_specs
 
-from epdserve.kernels import paged_attention, paged_attention_ref
+from epdserve.kernels import native, paged_attention, paged_attention_ref
 
 MIXED = [(1, 5), (7, 40), (3, 3), (1, 33), (16, 16), (5, 21)]
 DECODE = [(1, 5), (1, 40), (1, 17), (1, 1), (1, 64)]
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(native, "supports", lambda *args: False)
+    elif not native.available():
+        pytest.skip("no C compiler: the native decode kernel is not built")
+    return request.param
 
 
 def assert_matches_naive(batch, scale=0.125, window=None, cap=None, atol=2e-5):
