@@ -1,24 +1,28 @@
-"""Decode-attention bandwidth of the torch twin vs a plain ``copy_`` of the same bytes.
+"""Decode-attention bandwidth of the CPU twin vs a plain ``copy_`` of the same bytes.
 
 Prints one JSON object. For each config a cross-layer KV cache is built, 64 sequences of
 ``ctx`` tokens (256, 1024, or "ragged": 16..1024) decode one token each through
-``epdserve.kernels.paged_attention`` (the CPU twin), and the KV bytes it must read are timed
+``epdserve.kernels.paged_attention`` on CPU tensors, and the KV bytes it must read are timed
 against ``dst.copy_(src)`` of that many bytes in the same run (interleaved, best of N).
-``ratio`` = twin bytes/s / copy bytes/s (target >= 0.30); ``gather_ms`` is the block gather
-alone with every sequence padded to the longest (the twin's floor when lengths are equal).
+Two decode paths of the twin, side by side: ``native`` (the C kernel, what the engine runs
+when a C compiler is present) and ``torch`` (the batched torch decode it falls back to).
+``ratio`` = native bytes/s / copy bytes/s (target >= 0.30), ``torch_ratio`` the same for
+the torch path; ``gather_ms`` is the torch path's block gather alone, every sequence padded
+to the longest.
 
-    .venv/bin/python bench/kernels.py [--quick]
+    .venv/bin/python bench/kernels.py [--quick] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
 import torch
 
-from epdserve.kernels import paged_attention
+from epdserve.kernels import native, paged_attention
 from epdserve.kernels.gather import block_ids, gather_blocks
 
 CONFIGS = [  # (name, heads, kv_heads, head_dim): make-model's presets, then a real-size one
@@ -48,6 +52,17 @@ def context_lengths(ctx, seqs: int) -> torch.Tensor:
     return torch.full((seqs,), ctx)
 
 
+@contextlib.contextmanager
+def torch_path():
+    """Decode through the torch batched path, as without a C compiler."""
+    saved = native.supports
+    native.supports = lambda *args: False
+    try:
+        yield
+    finally:
+        native.supports = saved
+
+
 def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats):
     lens = context_lengths(ctx, seqs)
     nblk = -(-int(lens.max()) // block_size)
@@ -68,16 +83,22 @@ def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats
         gather_blocks(key_cache, ids, "k")
         gather_blocks(value_cache, ids, "v")
 
-    fns = [lambda: paged_attention(*args), lambda: dst.copy_(src), gather]
-    t_attn, t_copy, t_gather = best_of_interleaved(fns, repeats)
+    def torch_decode():
+        with torch_path():
+            paged_attention(*args)
+
+    fns = [lambda: paged_attention(*args), torch_decode, lambda: dst.copy_(src), gather]
+    t_native, t_torch, t_copy, t_gather = best_of_interleaved(fns, repeats)
     return {
         "kv_bytes": kv_bytes,
-        "twin_ms": round(t_attn * 1e3, 3),
+        "native_ms": round(t_native * 1e3, 3),
+        "torch_ms": round(t_torch * 1e3, 3),
         "copy_ms": round(t_copy * 1e3, 3),
         "gather_ms": round(t_gather * 1e3, 3),
-        "twin_GBps": round(kv_bytes / t_attn / 1e9, 2),
+        "native_GBps": round(kv_bytes / t_native / 1e9, 2),
         "copy_GBps": round(kv_bytes / t_copy / 1e9, 2),
-        "ratio": round(t_copy / t_attn, 3),
+        "ratio": round(t_copy / t_native, 3),
+        "torch_ratio": round(t_copy / t_torch, 3),
     }
 
 
@@ -105,8 +126,11 @@ def main() -> None:
         "seqs": opts.seqs,
         "block_size": opts.block_size,
         "torch_threads": torch.get_num_threads(),
+        "native_kernel": native.available(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "twin": results,
         "min_ratio": min(r["ratio"] for r in results),
+        "min_torch_ratio": min(r["torch_ratio"] for r in results),
         "gpu": "not measured (no GPU on this machine)",
     }))  # fmt: skip
 

@@ -85,6 +85,13 @@ class KVCacheManager:
         they are not named in the prefix cache until ``cache_blocks`` says they are valid."""
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if blocks is not None and not self.sliding and new_computed_blocks is None:
+            if cdiv(total, self.block_size) <= len(blocks[0]):  # decode inside its last block
+                full = min(total, request.num_tokens) // self.block_size
+                if not delay_cache and full > self.num_cached_blocks.get(rid, 0):
+                    self._cache_blocks(request, blocks, total)
+                return tuple([] for _ in self.managers)
         if blocks is None:
             blocks = tuple([[] for _ in self.managers])
         else:  # blocks out of every future query's window go back first (sliding groups)
@@ -92,7 +99,6 @@ class KVCacheManager:
                 manager.remove_skipped_blocks(
                     blocks[manager.group_idx], request.num_computed_tokens
                 )
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         want = cdiv(total, self.block_size)
         hits = new_computed_blocks if new_computed_blocks and any(new_computed_blocks) else None
         if hits is None:

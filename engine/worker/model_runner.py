@@ -14,7 +14,7 @@ import torch
 from epdserve.engine.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from epdserve.engine.core.kv_cache_groups import KVCacheSpec, make_kv_cache_spec
 from epdserve.engine.models.decoder import AttentionMetadata, DecoderLM
-from epdserve.engine.sample.sampler import SamplingRow, compute_logprobs, sample
+from epdserve.engine.sample.sampler import SamplingRow, argmax_rows, compute_logprobs, sample
 from epdserve.engine.worker.input_batch import InputBatch
 from epdserve.engine.worker.mm_inputs import EncoderOutputs, place_image_embeddings
 from epdserve.kernels import native
@@ -160,13 +160,15 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]):
         states = [self.batch.states[r] for r in req_ids]
-        rows = [self._sampling_row(s) for s in states]
         all_greedy = all(s.params.greedy for s in states)
         want_lp = [s.params.logprobs for s in states]
         raw_logprobs = None
         if any(k is not None for k in want_lp):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        tokens = sample(logits, rows, all_greedy)
+        if all_greedy and not any(s.params.needs_penalties for s in states):
+            tokens = argmax_rows(logits)  # no per-row sampling state to build
+        else:
+            tokens = sample(logits, [self._sampling_row(s) for s in states], all_greedy)
         batch_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         token_np = tokens.numpy()
         self.batch.append_token(batch_rows, token_np)
