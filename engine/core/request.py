@@ -76,8 +76,11 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        if self._hasher is not None:
-            self._hasher.extend(self.block_hashes, self.all_token_ids, self.mm_spans)
+        hasher = self._hasher
+        if hasher is not None and len(self.all_token_ids) // hasher.block_size > len(
+            self.block_hashes
+        ):  # a block just filled up
+            hasher.extend(self.block_hashes, self.all_token_ids, self.mm_spans)
 
     @property
     def is_finished(self) -> bool:

@@ -160,12 +160,13 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]):
         states = [self.batch.states[r] for r in req_ids]
-        all_greedy = all(s.params.greedy for s in states)
-        want_lp = [s.params.logprobs for s in states]
+        params = [s.params for s in states]
+        all_greedy = all(p.greedy for p in params)
+        want_lp = [p.logprobs for p in params]
         raw_logprobs = None
-        if any(k is not None for k in want_lp):
+        if want_lp.count(None) != len(want_lp):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if all_greedy and not any(s.params.needs_penalties for s in states):
+        if all_greedy and not any(p.needs_penalties for p in params):
             tokens = argmax_rows(logits)  # no per-row sampling state to build
         else:
             tokens = sample(logits, [self._sampling_row(s) for s in states], all_greedy)
