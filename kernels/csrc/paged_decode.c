@@ -3,11 +3,12 @@
  * Built at first use by epdserve/kernels/native.py with the system C compiler
  * (-O3 -march=native -fopenmp -ffp-contract=off -fno-strict-aliasing), called via ctypes.
  *
- * Each (sequence, kv head) task walks the sequence's blocks straight from the paged cache
- * (no gather, no padding; the next block's rows are prefetched): logits for the G query
- * heads of the kv head, softmax, then the weighted sum of V, all in float32. Tasks are
- * spread over `threads` OpenMP threads (torch's runtime: the library needs libgomp.so.1,
- * which torch has already loaded).
+ * Each sequence is one task: it walks its blocks straight from the paged cache (no gather,
+ * no padding; the next block is prefetched), reading each block once for all heads (a
+ * contiguous [BS, KVH, D] span in the engine's layout): logits of every query head against
+ * its kv head (GQA), softmax, then the weighted sum of V (accumulators kept in registers
+ * over a block), all in float32. Sequences are spread over `threads` OpenMP threads
+ * (torch's runtime: the library needs libgomp.so.1, which torch has already loaded).
  *
  * The softmax follows torch's CPU flash-attention kernel for one query row over the same
  * keys, so decode matches a model that runs SDPA on its unpadded cache (transformers'
@@ -27,7 +28,6 @@
 #include <string.h>
 
 #define CHUNK 512
-#define MAX_G 64
 
 static inline float bits_to_f32(uint32_t u) {
     float f;
@@ -60,36 +60,39 @@ static inline float fexp(float x) {
     return x < ln_min ? 0.0f : bits_to_f32((uint32_t)i);
 }
 
-static inline int64_t row_offset(const int32_t *blocks, int64_t pos, int64_t bs, int64_t s_n,
-                                 int64_t s_b, int64_t h, int64_t s_h) {
-    return (int64_t)blocks[pos / bs] * s_n + (pos % bs) * s_b + h * s_h;
+/* element offset of token `pos` (head 0) through the sequence's block table */
+static inline int64_t slot_offset(const int32_t *blocks, int64_t pos, int64_t bs, int64_t s_n,
+                                  int64_t s_b) {
+    return (int64_t)blocks[pos / bs] * s_n + (pos % bs) * s_b;
 }
 
-/* n rows (stride s_b elements, d elements each) from base + off into buf[n][d] as float32 */
+/* n token slots x kvh heads (strides s_b, s_h elements; d elements each) from base + off
+ * into buf[n][kvh][d] as float32 */
 static inline void load_rows(float *restrict buf, const void *base, int64_t off, int64_t n,
-                             int64_t s_b, int64_t d, int bf16) {
-    if (bf16) { /* bfloat16 is the top half of a float32 */
-        const uint16_t *src = (const uint16_t *)base + off;
-        uint32_t *bits = (uint32_t *)buf; /* built with -fno-strict-aliasing */
-        for (int64_t o = 0; o < n; o++) {
-            const uint16_t *s = src + o * s_b;
-            uint32_t *t = bits + o * d;
+                             int64_t kvh, int64_t s_b, int64_t s_h, int64_t d, int bf16) {
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t h = 0; h < kvh; h++) {
+            int64_t src_off = off + o * s_b + h * s_h;
+            float *dst = buf + (o * kvh + h) * d;
+            if (bf16) { /* bfloat16 is the top half of a float32 */
+                const uint16_t *src = (const uint16_t *)base + src_off;
+                uint32_t *bits = (uint32_t *)dst; /* built with -fno-strict-aliasing */
 #pragma omp simd
-            for (int64_t i = 0; i < d; i++) t[i] = (uint32_t)s[i] << 16;
+                for (int64_t i = 0; i < d; i++) bits[i] = (uint32_t)src[i] << 16;
+            } else {
+                memcpy(dst, (const float *)base + src_off, (size_t)d * sizeof(float));
+            }
         }
-    } else {
-        const float *src = (const float *)base + off;
-        for (int64_t o = 0; o < n; o++) memcpy(buf + o * d, src + o * s_b, (size_t)d * sizeof(float));
-    }
 }
 
 /* blocks are scattered, so the hardware cannot guess the next one: ask for its rows early */
-static inline void prefetch_rows(const void *base, int64_t off, int64_t n, int64_t s_b, int64_t d,
-                                 int bf16) {
+static inline void prefetch_rows(const void *base, int64_t off, int64_t n, int64_t kvh,
+                                 int64_t s_b, int64_t s_h, int64_t d, int bf16) {
     int64_t elt = bf16 ? 2 : 4;
     const char *p = (const char *)base + off * elt;
     for (int64_t o = 0; o < n; o++)
-        for (int64_t b = 0; b < d * elt; b += 64) __builtin_prefetch(p + o * s_b * elt + b);
+        for (int64_t h = 0; h < kvh; h++)
+            for (int64_t b = 0; b < d * elt; b += 64) __builtin_prefetch(p + (o * s_b + h * s_h) * elt + b);
 }
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -113,6 +116,50 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     float sum = acc[0] + acc[1];
     for (; i < d; i++) sum += a[i] * b[i];
     return sum;
+}
+
+/* acc[i] += sum over rows o (`stride` floats apart) of p[o] * rows[o][i]. The accumulators stay in registers for
+ * the whole block (a load and a store per block, not per row); per element the rows are
+ * still added in order. */
+static inline void weighted_rows(float *restrict acc, const float *restrict p,
+                                 const float *restrict rows, int64_t n, int64_t stride,
+                                 int64_t d) {
+    int64_t i = 0;
+    for (; i + 64 <= d; i += 64) {
+        v16f a0, a1, a2, a3;
+        memcpy(&a0, acc + i, 64);
+        memcpy(&a1, acc + i + 16, 64);
+        memcpy(&a2, acc + i + 32, 64);
+        memcpy(&a3, acc + i + 48, 64);
+        for (int64_t o = 0; o < n; o++) {
+            const float *r = rows + o * stride + i;
+            v16f r0, r1, r2, r3;
+            memcpy(&r0, r, 64);
+            memcpy(&r1, r + 16, 64);
+            memcpy(&r2, r + 32, 64);
+            memcpy(&r3, r + 48, 64);
+            a0 += p[o] * r0;
+            a1 += p[o] * r1;
+            a2 += p[o] * r2;
+            a3 += p[o] * r3;
+        }
+        memcpy(acc + i, &a0, 64);
+        memcpy(acc + i + 16, &a1, 64);
+        memcpy(acc + i + 32, &a2, 64);
+        memcpy(acc + i + 48, &a3, 64);
+    }
+    for (; i + 16 <= d; i += 16) {
+        v16f a;
+        memcpy(&a, acc + i, 64);
+        for (int64_t o = 0; o < n; o++) {
+            v16f r;
+            memcpy(&r, rows + o * stride + i, 64);
+            a += p[o] * r;
+        }
+        memcpy(acc + i, &a, 64);
+    }
+    for (; i < d; i++)
+        for (int64_t o = 0; o < n; o++) acc[i] += p[o] * rows[o * stride + i];
 }
 
 /* exp(row - mx) in place over n keys; returns their sum. lanes > 0: the flash kernel's way
@@ -147,21 +194,25 @@ static inline void round_bf16(float *restrict x, int64_t n) {
     for (int64_t j = 0; j < n; j++) bits[j] = (bits[j] + 0x7FFFu + ((bits[j] >> 16) & 1u)) & 0xFFFF0000u;
 }
 
-static void one_task(const float *restrict q, float *restrict out, const void *kbase,
-                     const void *vbase, int64_t s_n, int64_t s_b, int64_t s_h, int bf16,
-                     int64_t bs, int64_t h, int64_t g_count, int64_t d,
-                     const int32_t *restrict blocks, int64_t len, float scale, int64_t window,
-                     float soft_cap, int lanes, float *restrict work) {
-    float *logits = work;                   /* [G, CHUNK] */
-    float *acc = logits + g_count * CHUNK;  /* [G, D] */
-    float *rows = acc + g_count * d;        /* [BS, D] */
-    float mx[MAX_G], sum[MAX_G];
+/* One sequence, every head: each block of its cache is read once, all kv heads together
+ * (whole contiguous [BS, KVH, D] spans in the engine's layout). */
+static void one_sequence(const float *restrict q, float *restrict out, const void *kbase,
+                         const void *vbase, int64_t s_n, int64_t s_b, int64_t s_h, int bf16,
+                         int64_t bs, int64_t kvh, int64_t heads, int64_t d,
+                         const int32_t *restrict blocks, int64_t len, float scale,
+                         int64_t window, float soft_cap, int lanes, float *restrict work) {
+    const int64_t g_count = heads / kvh, row = kvh * d; /* floats per token in `rows` */
+    float *logits = work;                 /* [H, CHUNK] */
+    float *acc = logits + heads * CHUNK;  /* [H, D] */
+    float *mx = acc + heads * d;          /* [H] */
+    float *sum = mx + heads;              /* [H] */
+    float *rows = sum + heads;            /* [BS, KVH, D] */
     int64_t lo = window > 0 && len > window ? len - window : 0;
-    for (int64_t g = 0; g < g_count; g++) {
-        mx[g] = -INFINITY;
-        sum[g] = 0.0f;
+    for (int64_t hq = 0; hq < heads; hq++) {
+        mx[hq] = -INFINITY;
+        sum[hq] = 0.0f;
     }
-    memset(acc, 0, (size_t)(g_count * d) * sizeof(float));
+    memset(acc, 0, (size_t)(heads * d) * sizeof(float));
     for (int64_t n0 = 0; n0 < len; n0 += CHUNK) {
         int64_t cb = len - n0 < CHUNK ? len - n0 : CHUNK;
         if (n0 + cb <= lo) continue; /* wholly outside the window: adds nothing */
@@ -169,66 +220,66 @@ static void one_task(const float *restrict q, float *restrict out, const void *k
             int64_t pos = n0 + j, slot = pos % bs;
             take = bs - slot < cb - j ? bs - slot : cb - j;
             if (pos + take <= lo) {
-                for (int64_t g = 0; g < g_count; g++)
-                    for (int64_t o = 0; o < take; o++) logits[g * CHUNK + j + o] = -INFINITY;
+                for (int64_t hq = 0; hq < heads; hq++)
+                    for (int64_t o = 0; o < take; o++) logits[hq * CHUNK + j + o] = -INFINITY;
                 continue;
             }
-            if (j + take < cb) prefetch_rows(kbase, row_offset(blocks, pos + take, bs, s_n, s_b, h, s_h), bs, s_b, d, bf16);
-            load_rows(rows, kbase, row_offset(blocks, pos, bs, s_n, s_b, h, s_h), take, s_b, d, bf16);
-            for (int64_t g = 0; g < g_count; g++) {
-                const float *qg = q + g * d;
-                float *lg = logits + g * CHUNK + j;
+            if (j + take < cb)
+                prefetch_rows(kbase, slot_offset(blocks, pos + take, bs, s_n, s_b), bs, kvh,
+                              s_b, s_h, d, bf16);
+            load_rows(rows, kbase, slot_offset(blocks, pos, bs, s_n, s_b), take, kvh, s_b,
+                      s_h, d, bf16);
+            for (int64_t hq = 0; hq < heads; hq++) {
+                const float *qh = q + hq * d, *kr = rows + (hq / g_count) * d;
+                float *lg = logits + hq * CHUNK + j;
                 for (int64_t o = 0; o < take; o++) {
-                    float x = dot(qg, rows + o * d, d) * scale;
+                    float x = dot(qh, kr + o * row, d) * scale;
                     if (soft_cap > 0.0f) x = tanhf(x / soft_cap) * soft_cap;
                     lg[o] = pos + o < lo ? -INFINITY : x;
                 }
             }
         }
-        for (int64_t g = 0; g < g_count; g++) {
-            float *lg = logits + g * CHUNK;
+        for (int64_t hq = 0; hq < heads; hq++) {
+            float *lg = logits + hq * CHUNK;
             float cmax = -INFINITY;
 #pragma omp simd reduction(max : cmax)
             for (int64_t j = 0; j < cb; j++) cmax = lg[j] > cmax ? lg[j] : cmax;
-            float tmax = mx[g] > cmax ? mx[g] : cmax;
+            float tmax = mx[hq] > cmax ? mx[hq] : cmax;
             if (tmax == -INFINITY) {
                 memset(lg, 0, (size_t)cb * sizeof(float));
                 continue;
             }
             float csum = exp_chunk(lg, cb, tmax, lanes);
             if (bf16) round_bf16(lg, cb); /* P is bfloat16 in P @ V */
-            float rescale = expf(mx[g] - tmax);
-            sum[g] = csum + rescale * sum[g];
-            mx[g] = tmax;
+            float rescale = expf(mx[hq] - tmax);
+            sum[hq] = csum + rescale * sum[hq];
+            mx[hq] = tmax;
             if (n0 > 0) {
-                float *ag = acc + g * d;
+                float *ah = acc + hq * d;
 #pragma omp simd
-                for (int64_t i = 0; i < d; i++) ag[i] *= rescale;
+                for (int64_t i = 0; i < d; i++) ah[i] *= rescale;
             }
         }
         for (int64_t j = 0, take; j < cb; j += take) {
             int64_t pos = n0 + j, slot = pos % bs;
             take = bs - slot < cb - j ? bs - slot : cb - j;
             if (pos + take <= lo) continue;
-            if (j + take < cb) prefetch_rows(vbase, row_offset(blocks, pos + take, bs, s_n, s_b, h, s_h), bs, s_b, d, bf16);
-            load_rows(rows, vbase, row_offset(blocks, pos, bs, s_n, s_b, h, s_h), take, s_b, d, bf16);
-            for (int64_t g = 0; g < g_count; g++) {
-                const float *pg = logits + g * CHUNK + j;
-                float *ag = acc + g * d;
-                for (int64_t o = 0; o < take; o++) {
-                    const float p = pg[o], *vr = rows + o * d;
-#pragma omp simd
-                    for (int64_t i = 0; i < d; i++) ag[i] += p * vr[i];
-                }
-            }
+            if (j + take < cb)
+                prefetch_rows(vbase, slot_offset(blocks, pos + take, bs, s_n, s_b), bs, kvh,
+                              s_b, s_h, d, bf16);
+            load_rows(rows, vbase, slot_offset(blocks, pos, bs, s_n, s_b), take, kvh, s_b,
+                      s_h, d, bf16);
+            for (int64_t hq = 0; hq < heads; hq++)
+                weighted_rows(acc + hq * d, logits + hq * CHUNK + j, rows + (hq / g_count) * d,
+                              take, row, d);
         }
     }
-    for (int64_t g = 0; g < g_count; g++) {
-        float inv = 1.0f / (sum[g] == 0.0f ? 1.0f : sum[g]);
-        float *og = out + g * d;
-        const float *ag = acc + g * d;
+    for (int64_t hq = 0; hq < heads; hq++) {
+        float inv = 1.0f / (sum[hq] == 0.0f ? 1.0f : sum[hq]);
+        float *oh = out + hq * d;
+        const float *ah = acc + hq * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) og[i] = ag[i] * inv;
+        for (int64_t i = 0; i < d; i++) oh[i] = ah[i] * inv;
     }
 }
 
@@ -242,28 +293,24 @@ int epd_paged_decode(const float *q, float *out, int64_t num_seqs, int64_t num_h
                      const int32_t *table, int64_t table_stride, const int32_t *rows,
                      const int32_t *lens, float scale, int64_t window, float soft_cap,
                      int lanes, int threads) {
-    int64_t g_count = num_heads / kv_heads;
-    if (g_count > MAX_G || g_count * kv_heads != num_heads || (lanes != 0 && lanes != 8 && lanes != 16))
+    if (kv_heads <= 0 || num_heads % kv_heads != 0 || (lanes != 0 && lanes != 8 && lanes != 16))
         return -1;
-    int64_t work_floats = g_count * CHUNK + g_count * head_dim + block_size * head_dim;
-    int64_t tasks = num_seqs * kv_heads;
+    int64_t work_floats = num_heads * (CHUNK + head_dim + 2) + block_size * kv_heads * head_dim;
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+#pragma omp parallel num_threads(threads) if (threads > 1 && num_seqs > 1)
     {
         float *work = (float *)malloc((size_t)work_floats * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
+        for (int64_t s = 0; s < num_seqs; s++) {
             if (!work) {
 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
-            int64_t s = t / kv_heads, h = t % kv_heads;
-            int64_t r = rows ? rows[s] : s;
-            int64_t qoff = (s * num_heads + h * g_count) * head_dim;
-            one_task(q + qoff, out + qoff, kbase, vbase, s_n, s_b, s_h, bf16, block_size, h,
-                     g_count, head_dim, table + r * table_stride, lens[s], scale, window,
-                     soft_cap, lanes, work);
+            int64_t r = rows ? rows[s] : s, qoff = s * num_heads * head_dim;
+            one_sequence(q + qoff, out + qoff, kbase, vbase, s_n, s_b, s_h, bf16, block_size,
+                         kv_heads, num_heads, head_dim, table + r * table_stride, lens[s], scale,
+                         window, soft_cap, lanes, work);
         }
         free(work);
     }
