@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -73,11 +74,12 @@ def _load() -> ctypes.CDLL | None:
 
 def _build_and_load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    if not compiler:
         logger.warning("no C compiler found: CPU decode attention uses the torch twin")
         return None
     cache = _cache_dir()
     source = SOURCE.read_bytes()
+    errors = ""
     for flags in (BASE_FLAGS + ["-fopenmp"], BASE_FLAGS):
         key = hashlib.sha256(
             b"\0".join([source, " ".join(flags).encode(), _compiler_id(compiler), _cpu_id()])
@@ -86,22 +88,23 @@ def _build_and_load() -> ctypes.CDLL | None:
         if not target.exists():
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
-            cmd = [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"]
+            cmd = [*shlex.split(compiler), *flags, "-o", tmp, str(SOURCE), "-lm"]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if res.returncode != 0:
                 os.unlink(tmp)
-                logger.info("building native decode with %s failed: %s", flags, res.stderr[-500:])
+                errors = res.stderr[-500:]
                 continue
             os.replace(tmp, target)
         lib = ctypes.CDLL(str(target))
         lib.epd_paged_decode.argtypes = _ARGTYPES
         lib.epd_paged_decode.restype = ctypes.c_int
         return lib
+    logger.warning("%s could not build the CPU decode kernel; using torch: %s", compiler, errors)
     return None
 
 
 def _compiler_id(compiler: str) -> bytes:
-    res = subprocess.run([compiler, "--version"], capture_output=True, timeout=30)
+    res = subprocess.run([*shlex.split(compiler), "--version"], capture_output=True, timeout=30)
     return res.stdout[:200]
 
 
