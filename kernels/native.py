@@ -45,7 +45,7 @@ _tried = False
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES = [
-    _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _I64, _I64,
+    _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _I64, _I64, _I64,
     _PTR, _I64, _PTR, _PTR, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
 ]  # fmt: skip
 # float32 lanes of torch's CPU kernels, which fix the flash kernel's exp/sum split
@@ -149,7 +149,7 @@ def paged_decode(query, key_cache, value_cache, block_table, rows, lens, scale: 
     """
     lib = _load()
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, kv_heads, _ = key_cache.shape
+    num_blocks, block_size, kv_heads, _ = key_cache.shape
     q = query.to(torch.float32).contiguous()
     out = torch.empty_like(q)
     table = block_table if block_table.dtype == torch.int32 else block_table.int()
@@ -162,10 +162,13 @@ def paged_decode(query, key_cache, value_cache, block_table, rows, lens, scale: 
     rc = lib.epd_paged_decode(
         q.data_ptr(), out.data_ptr(), num_seqs, num_heads, head_dim,
         key_cache.data_ptr(), value_cache.data_ptr(), s_n, s_b, s_h, int(bf16), block_size,
-        kv_heads, table.data_ptr(), table.stride(0),
+        kv_heads, num_blocks, table.data_ptr(), table.stride(0),
         None if rows_t is None else rows_t.data_ptr(), lens_t.data_ptr(), float(scale),
         int(window or 0), float(soft_cap or 0.0), lanes, torch.get_num_threads(),
     )  # fmt: skip
+    if rc == -3:
+        raise ValueError(f"block_table: a block id of the decoding sequences is outside "
+                         f"0..{num_blocks - 1}")  # fmt: skip
     if rc == -2:
         raise MemoryError("paged_decode: no scratch memory")
     if rc != 0:

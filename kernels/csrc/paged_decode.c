@@ -285,14 +285,15 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
 
 /* q/out: [S, H, D] float32 contiguous. Sequence s reads table row rows[s] (s when rows is
  * NULL) and has lens[s] keys. Caches: element (block, slot, head, i) at
- * base + block*s_n + slot*s_b + head*s_h + i, bfloat16 (bf16 != 0) or float32.
- * Returns 0; -1 for an unsupported layout, -2 when scratch memory ran out. */
+ * base + block*s_n + slot*s_b + head*s_h + i, bfloat16 (bf16 != 0) or float32, with
+ * num_blocks blocks. Returns 0; -1 for an unsupported layout, -2 when scratch memory ran
+ * out, -3 when a sequence's table names a block outside the cache (nothing is read then). */
 int epd_paged_decode(const float *q, float *out, int64_t num_seqs, int64_t num_heads,
                      int64_t head_dim, const void *kbase, const void *vbase, int64_t s_n,
                      int64_t s_b, int64_t s_h, int bf16, int64_t block_size, int64_t kv_heads,
-                     const int32_t *table, int64_t table_stride, const int32_t *rows,
-                     const int32_t *lens, float scale, int64_t window, float soft_cap,
-                     int lanes, int threads) {
+                     int64_t num_blocks, const int32_t *table, int64_t table_stride,
+                     const int32_t *rows, const int32_t *lens, float scale, int64_t window,
+                     float soft_cap, int lanes, int threads) {
     if (kv_heads <= 0 || num_heads % kv_heads != 0 || (lanes != 0 && lanes != 8 && lanes != 16))
         return -1;
     int64_t work_floats = num_heads * (CHUNK + head_dim + 2) + block_size * kv_heads * head_dim;
@@ -304,15 +305,24 @@ int epd_paged_decode(const float *q, float *out, int64_t num_seqs, int64_t num_h
         for (int64_t s = 0; s < num_seqs; s++) {
             if (!work) {
 #pragma omp atomic write
-                failed = 1;
+                failed = 2;
                 continue;
             }
             int64_t r = rows ? rows[s] : s, qoff = s * num_heads * head_dim;
+            const int32_t *blocks = table + r * table_stride;
+            int bad = 0;
+            for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; b++)
+                bad |= blocks[b] < 0 || blocks[b] >= num_blocks;
+            if (bad) {
+#pragma omp atomic write
+                failed = 3;
+                continue;
+            }
             one_sequence(q + qoff, out + qoff, kbase, vbase, s_n, s_b, s_h, bf16, block_size,
-                         kv_heads, num_heads, head_dim, table + r * table_stride, lens[s], scale,
+                         kv_heads, num_heads, head_dim, blocks, lens[s], scale,
                          window, soft_cap, lanes, work);
         }
         free(work);
     }
-    return failed ? -2 : 0;
+    return -failed;
 }

@@ -97,6 +97,27 @@ def test_unsupported_layouts_are_declined_or_refused():
                             batch.block_table, None, [9], 0.125, None, None)  # fmt: skip
 
 
+def test_a_block_id_outside_the_cache_is_refused_before_any_read():
+    batch = make_batch([(1, 40), (1, 9)], 4, 2, 64, 16)
+    table = batch.block_table.clone()
+    table[0, 1] = batch.key_cache.shape[0] + 7
+    with pytest.raises(ValueError, match="block_table: a block id"):
+        native.paged_decode(batch.query, batch.key_cache, batch.value_cache, table, None,
+                            [40, 9], 0.125, None, None)  # fmt: skip
+    table[0, 1] = -1
+    with pytest.raises(ValueError, match="block_table"):
+        native.paged_decode(batch.query, batch.key_cache, batch.value_cache, table, None,
+                            [40, 9], 0.125, None, None)  # fmt: skip
+    table[0, 3] = -1  # past the sequence's 3 blocks: never read
+    table[0, 1] = batch.block_table[0, 1]
+    torch.testing.assert_close(
+        decode(batch, 0.125),
+        native.paged_decode(
+            batch.query, batch.key_cache, batch.value_cache, table, None, [40, 9], 0.125, None, None
+        ),
+    )
+
+
 def _probe(env: dict) -> str:
     code = "from epdserve.kernels import native; print(native.available())"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
