@@ -44,9 +44,14 @@ def test_greedy_outputs_match_transformers_in_every_regime(models, hf_reference,
 
 
 @pytest.mark.skipif(not native.available(), reason="no C compiler: decode runs the torch twin")
-def test_bf16_first_tokens_agree_on_at_least_95_percent_of_prompts(models, hf_reference):
-    path = models.get("llama", seed=0)
-    prompts = make_prompts(20, seed=5)
+@pytest.mark.parametrize(("arch", "seed", "num_prompts", "prompt_seed"),
+                         [("llama", 0, 20, 5), ("qwen3", 0, 40, 9)])  # fmt: skip
+def test_bf16_first_tokens_agree_on_at_least_95_percent_of_prompts(
+    models, hf_reference, arch, seed, num_prompts, prompt_seed
+):
+    """measured 19/20 and 40/40 (129/160 over four sets with the torch decode path)"""
+    path = models.get(arch, seed=seed)
+    prompts = make_prompts(num_prompts, seed=prompt_seed)
     expected = hf_reference.greedy(path, prompts, dtype=torch.bfloat16)
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
