@@ -7,13 +7,13 @@ MODEL  ?= models/tiny-llama
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install redis lint format clean
+.PHONY: run test install redis cc lint format clean
 
-run: $(STAMP) redis
+run: $(STAMP) redis cc
 	@test -f $(MODEL)/config.json || $(BIN)/epdserve make-model --arch llama --out $(MODEL) --seed 0
 	$(BIN)/epdserve up --model $(MODEL) --host 127.0.0.1 --port 8000 $(UP_ARGS)
 
-test: $(STAMP) redis lint
+test: $(STAMP) redis cc lint
 	$(BIN)/python -m pytest
 
 install: $(STAMP)
@@ -32,6 +32,14 @@ redis: $(STAMP)
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		(apt-get install -y -q redis-server || (apt-get update -q && apt-get install -y -q redis-server)) >/dev/null; \
 	else $(BIN)/python -m pip install -q redis-server; fi
+
+# A C compiler for the CPU decode kernel (kernels/csrc, built at first use): Debian's gcc as
+# root when there is none; without one the engine runs the torch decode path.
+cc:
+	@if command -v cc >/dev/null || command -v gcc >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get install -y -q gcc || (apt-get update -q && apt-get install -y -q gcc)) >/dev/null; \
+	else echo "no C compiler: CPU decode attention will use the torch path"; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
