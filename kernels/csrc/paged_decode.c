@@ -5,7 +5,8 @@
  *
  * Each sequence is one task: it walks its blocks straight from the paged cache (no gather,
  * no padding; the next block is prefetched), reading each block once for all heads (a
- * contiguous [BS, KVH, D] span in the engine's layout): logits of every query head against
+ * contiguous [BS, KVH, D] span in the engine's layout; converted to float32 at most 32 KiB
+ * at a time so the rows stay in L1): logits of every query head against
  * its kv head (GQA), softmax, then the weighted sum of V (accumulators kept in registers
  * over a block), all in float32. Sequences are spread over `threads` OpenMP threads
  * (torch's runtime: the library needs libgomp.so.1, which torch has already loaded).
@@ -28,6 +29,7 @@
 #include <string.h>
 
 #define CHUNK 512
+#define PIECE 8192 /* floats of converted rows at a time (32 KiB) */
 
 static inline float bits_to_f32(uint32_t u) {
     float f;
@@ -219,12 +221,13 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
         for (int64_t j = 0, take; j < cb; j += take) {
             int64_t pos = n0 + j, slot = pos % bs;
             take = bs - slot < cb - j ? bs - slot : cb - j;
+            if (take * row > PIECE) take = PIECE / row > 0 ? PIECE / row : 1; /* stay in L1 */
             if (pos + take <= lo) {
                 for (int64_t hq = 0; hq < heads; hq++)
                     for (int64_t o = 0; o < take; o++) logits[hq * CHUNK + j + o] = -INFINITY;
                 continue;
             }
-            if (j + take < cb)
+            if (j + take < cb && (pos + take) % bs == 0) /* the next block */
                 prefetch_rows(kbase, slot_offset(blocks, pos + take, bs, s_n, s_b), bs, kvh,
                               s_b, s_h, d, bf16);
             load_rows(rows, kbase, slot_offset(blocks, pos, bs, s_n, s_b), take, kvh, s_b,
@@ -263,8 +266,9 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
         for (int64_t j = 0, take; j < cb; j += take) {
             int64_t pos = n0 + j, slot = pos % bs;
             take = bs - slot < cb - j ? bs - slot : cb - j;
+            if (take * row > PIECE) take = PIECE / row > 0 ? PIECE / row : 1; /* stay in L1 */
             if (pos + take <= lo) continue;
-            if (j + take < cb)
+            if (j + take < cb && (pos + take) % bs == 0) /* the next block */
                 prefetch_rows(vbase, slot_offset(blocks, pos + take, bs, s_n, s_b), bs, kvh,
                               s_b, s_h, d, bf16);
             load_rows(rows, vbase, slot_offset(blocks, pos, bs, s_n, s_b), take, kvh, s_b,

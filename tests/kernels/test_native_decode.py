@@ -65,6 +65,18 @@ def test_long_contexts_span_several_chunks(dtype, block_size, window, cap):
                                atol=atol, rtol=0)  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_larger_than_a_conversion_piece_are_walked_in_parts(dtype):
+    """8 kv heads x 128 x 32 slots = 32k floats per block: converted 8 slots at a time."""
+    lens = [5, 40, 300, 700]
+    batch = make_batch([(1, n) for n in lens], 16, 8, 128, 32, dtype=dtype)
+    atol = 2e-5 if dtype == torch.float32 else 2e-2
+    for window, cap in [(None, None), (50, 4.0)]:
+        out = decode(batch, 0.09, window, cap)
+        torch.testing.assert_close(out.double(), naive_attention(batch, 0.09, window, cap),
+                                   atol=atol, rtol=0)  # fmt: skip
+
+
 def test_rows_pick_table_rows_for_a_subset_of_sequences():
     batch = make_batch([(1, n) for n in (30, 90, 7, 300)], 8, 2, 64, 16)
     full = decode(batch, 0.125)
