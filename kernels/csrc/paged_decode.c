@@ -9,7 +9,8 @@
  * at a time so the rows stay in L1): logits of every query head against
  * its kv head (GQA), softmax, then the weighted sum of V (accumulators kept in registers
  * over a block), all in float32. Sequences are spread over `threads` OpenMP threads
- * (torch's runtime: the library needs libgomp.so.1, which torch has already loaded).
+ * (torch's runtime: the library needs libgomp.so.1, which torch has already loaded); with
+ * fewer sequences than threads, each sequence's kv heads are split into parts.
  *
  * The softmax follows torch's CPU flash-attention kernel for one query row over the same
  * keys, so decode matches a model that runs SDPA on its unpadded cache (transformers'
@@ -196,8 +197,9 @@ static inline void round_bf16(float *restrict x, int64_t n) {
     for (int64_t j = 0; j < n; j++) bits[j] = (bits[j] + 0x7FFFu + ((bits[j] >> 16) & 1u)) & 0xFFFF0000u;
 }
 
-/* One sequence, every head: each block of its cache is read once, all kv heads together
- * (whole contiguous [BS, KVH, D] spans in the engine's layout). */
+/* One sequence, kvh kv heads from kbase/vbase on (all of them, or one part when there are
+ * few sequences for the threads): each block of its cache is read once for these heads
+ * (whole contiguous [BS, KVH, D] spans in the engine's layout when they are all). */
 static void one_sequence(const float *restrict q, float *restrict out, const void *kbase,
                          const void *vbase, int64_t s_n, int64_t s_b, int64_t s_h, int bf16,
                          int64_t bs, int64_t kvh, int64_t heads, int64_t d,
@@ -301,18 +303,26 @@ int epd_paged_decode(const float *q, float *out, int64_t num_seqs, int64_t num_h
     if (kv_heads <= 0 || num_heads % kv_heads != 0 || (lanes != 0 && lanes != 8 && lanes != 16))
         return -1;
     int64_t work_floats = num_heads * (CHUNK + head_dim + 2) + block_size * kv_heads * head_dim;
+    /* fewer sequences than threads: split each one's kv heads into parts (same numerics) */
+    int64_t parts = 1, g_count = num_heads / kv_heads, elt = bf16 ? 2 : 4;
+    if (threads > 1 && num_seqs < threads) {
+        parts = (threads + num_seqs - 1) / num_seqs;
+        parts = parts < kv_heads ? parts : kv_heads;
+    }
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && num_seqs > 1)
+#pragma omp parallel num_threads(threads) if (threads > 1 && num_seqs * parts > 1)
     {
         float *work = (float *)malloc((size_t)work_floats * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t t = 0; t < num_seqs * parts; t++) {
             if (!work) {
 #pragma omp atomic write
                 failed = 2;
                 continue;
             }
-            int64_t r = rows ? rows[s] : s, qoff = s * num_heads * head_dim;
+            int64_t s = t / parts, h0 = t % parts * kv_heads / parts;
+            int64_t h1 = (t % parts + 1) * kv_heads / parts;
+            int64_t r = rows ? rows[s] : s, qoff = (s * num_heads + h0 * g_count) * head_dim;
             const int32_t *blocks = table + r * table_stride;
             int bad = 0;
             for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; b++)
@@ -322,9 +332,10 @@ int epd_paged_decode(const float *q, float *out, int64_t num_seqs, int64_t num_h
                 failed = 3;
                 continue;
             }
-            one_sequence(q + qoff, out + qoff, kbase, vbase, s_n, s_b, s_h, bf16, block_size,
-                         kv_heads, num_heads, head_dim, blocks, lens[s], scale,
-                         window, soft_cap, lanes, work);
+            one_sequence(q + qoff, out + qoff, (const char *)kbase + h0 * s_h * elt,
+                         (const char *)vbase + h0 * s_h * elt, s_n, s_b, s_h, bf16, block_size,
+                         h1 - h0, (h1 - h0) * g_count, head_dim, blocks, lens[s], scale, window,
+                         soft_cap, lanes, work);
         }
         free(work);
     }

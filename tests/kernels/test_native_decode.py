@@ -100,6 +100,22 @@ def test_threads_do_not_change_the_result():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_sequence_is_split_by_kv_heads_across_threads(dtype):
+    batch = make_batch([(1, 900)], 16, 4, 64, 16, dtype=dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode(batch, 0.125, 300, None)
+        torch.set_num_threads(2)  # 2 parts of 2 kv heads each
+        two = decode(batch, 0.125, 300, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    atol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(two.double(), naive_attention(batch, 0.125, 300), atol=atol, rtol=0)
+
+
 def test_unsupported_layouts_are_declined_or_refused():
     batch = make_batch([(1, 9)], 4, 2, 64, 16)
     assert not native.supports(batch.query.half(), batch.key_cache.half(), batch.value_cache.half())
