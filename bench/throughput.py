@@ -159,18 +159,24 @@ def decode_roofline(model_dir: str, dtype: str, batch: int, ctx: int, iters: int
 
 
 def step_overhead(model_dir: str, dtype: str, batch: int, steps: int) -> dict:
-    """Share of engine-step time spent outside the model forward (+ logits)."""
+    """Share of engine-step time spent outside the model forward (+ logits).
+
+    Step time is ``EngineCore.step`` (schedule, input preparation, forward, sampling, the
+    scheduler's output handling). The offline frontend's per-token detokenization between
+    steps is not step time (served, it runs in the API process); ``frontend_s`` and
+    ``outside_model_fraction_of_generate`` report it too.
+    """
     from epdserve.engine import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=512, max_num_seqs=batch)
-    model = llm.engine.model
-    spent = [0.0]
+    model, core = llm.engine.model, llm.engine
+    spent = {"model": 0.0, "step": 0.0}
 
-    def wrap(fn):
+    def wrap(fn, key):
         def timed(*a, **k):
             t0 = time.perf_counter()
             out = fn(*a, **k)
-            spent[0] += time.perf_counter() - t0
+            spent[key] += time.perf_counter() - t0
             return out
 
         return timed
@@ -181,7 +187,9 @@ def step_overhead(model_dir: str, dtype: str, batch: int, steps: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     llm.engine.kv.reset_prefix_cache()
-    model.forward, model.compute_logits = wrap(model.forward), wrap(model.compute_logits)
+    model.forward = wrap(model.forward, "model")
+    model.compute_logits = wrap(model.compute_logits, "model")
+    core.step = wrap(core.step, "step")
     t = time.perf_counter()
     llm.generate(prompts, params)
     total = time.perf_counter() - t
@@ -189,8 +197,11 @@ def step_overhead(model_dir: str, dtype: str, batch: int, steps: int) -> dict:
         "batch": batch,
         "steps": steps,
         "total_s": total,
-        "model_s": spent[0],
-        "outside_model_fraction": (total - spent[0]) / total,
+        "step_s": spent["step"],
+        "model_s": spent["model"],
+        "frontend_s": total - spent["step"],
+        "outside_model_fraction": (spent["step"] - spent["model"]) / spent["step"],
+        "outside_model_fraction_of_generate": (total - spent["model"]) / total,
         "output_tok_per_s": batch * steps / total,
     }
 
