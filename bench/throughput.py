@@ -4,7 +4,8 @@
     mixed workload (64 requests; prompt 16–512 and output 16–256 tokens drawn from a seed);
 (b) ``small`` preset decode forward: achieved FLOP/s vs a plain matmul chain of the same shapes
     and dtype timed in the same run (this machine's roofline);
-(c) ``tiny`` preset, 64 running sequences: share of step time outside the model forward.
+(c) ``tiny`` preset, 64 running sequences: share of ``EngineCore.step`` time outside the model
+    forward (and, next to it, of the whole ``generate`` with the frontend's detokenization).
 
     python bench/throughput.py [--dtype bfloat16] [--requests 64] [--quick]
 """
