@@ -41,6 +41,7 @@ BASE_FLAGS = [
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_lanes = 0  # set on load
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -58,7 +59,7 @@ def available() -> bool:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
+    global _lib, _tried, _lanes
     if _tried:
         return _lib
     with _lock:
@@ -66,6 +67,7 @@ def _load() -> ctypes.CDLL | None:
             if os.environ.get("EPDSERVE_NATIVE_KERNELS", "1") not in ("0", "false", "no"):
                 try:
                     _lib = _build_and_load()
+                    _lanes = _LANES.get(torch.backends.cpu.get_cpu_capability(), 0)
                 except (OSError, subprocess.SubprocessError) as exc:
                     logger.warning("native decode attention unavailable (%s); using torch", exc)
             _tried = True
@@ -157,7 +159,7 @@ def paged_decode(query, key_cache, value_cache, block_table, rows, lens, scale: 
     lens_t = torch.as_tensor(lens, dtype=torch.int32)
     rows_t = None if rows is None else torch.as_tensor(rows, dtype=torch.int32)
     bf16 = key_cache.dtype == torch.bfloat16
-    lanes = _LANES.get(torch.backends.cpu.get_cpu_capability(), 0) if bf16 else 0
+    lanes = _lanes if bf16 else 0
     s_n, s_b, s_h, _ = key_cache.stride()
     rc = lib.epd_paged_decode(
         q.data_ptr(), out.data_ptr(), num_seqs, num_heads, head_dim,

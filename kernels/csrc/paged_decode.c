@@ -38,12 +38,6 @@ static inline float bits_to_f32(uint32_t u) {
     return f;
 }
 
-static inline uint32_t f32_to_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
 /* 2^(x*log2 e) with a cubic for the fraction, assembled in the exponent bits: the fast
  * exponential (relative error ~1e-5) of torch's flash kernel. x <= 0 here. */
 static inline float fexp(float x) {

@@ -87,30 +87,28 @@ def test_rows_pick_table_rows_for_a_subset_of_sequences():
     assert torch.equal(got, full[pick])
 
 
-def test_threads_do_not_change_the_result():
-    batch = make_batch([(1, n) for n in range(40, 800, 37)], 8, 2, 64, 16, dtype=torch.bfloat16)
+def on_1_and_2_threads(batch, *args):
+    """The kernel's result with torch on one thread, then on two."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = decode(batch, 0.125)
+        one = decode(batch, 0.125, *args)
         torch.set_num_threads(2)
-        two = decode(batch, 0.125)
+        return one, decode(batch, 0.125, *args)
     finally:
         torch.set_num_threads(before)
+
+
+def test_threads_do_not_change_the_result():
+    batch = make_batch([(1, n) for n in range(40, 800, 37)], 8, 2, 64, 16, dtype=torch.bfloat16)
+    one, two = on_1_and_2_threads(batch)
     assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_lone_sequence_is_split_by_kv_heads_across_threads(dtype):
     batch = make_batch([(1, 900)], 16, 4, 64, 16, dtype=dtype)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = decode(batch, 0.125, 300, None)
-        torch.set_num_threads(2)  # 2 parts of 2 kv heads each
-        two = decode(batch, 0.125, 300, None)
-    finally:
-        torch.set_num_threads(before)
+    one, two = on_1_and_2_threads(batch, 300, None)  # on two: 2 parts of 2 kv heads each
     assert torch.equal(one, two)
     atol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(two.double(), naive_attention(batch, 0.125, 300), atol=atol, rtol=0)
