@@ -143,6 +143,7 @@ class AsyncLLM:
         request_id: str | None = None,
         kv_transfer_params: dict | None = None,
         mm_features: list | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[StreamOutput]:
         """Stream a request's outputs; cancelling the iteration aborts the request."""
         if self.dead:
@@ -162,6 +163,7 @@ class AsyncLLM:
                 time.monotonic(),
                 kv_transfer_params,
                 mm_features or [],
+                cache_salt,
             )
             await self.input.send_multipart([self.core_identity, ADD, self._encode.encode(req)])
         if self.metrics:

@@ -36,6 +36,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     kv_transfer_params: dict[str, Any] | None = None
     mm_features: list[MMFeature] = []
+    cache_salt: str | None = None  # tenant isolation: folded into the first block's hash
 
 
 class EngineCore:

@@ -29,6 +29,7 @@ class Prepared:
         self.prompts, self.texts, self.params, self.kind = prompts, texts, params, kind
         self.kv_transfer_params: dict | None = None
         self.mm_features: list = []  # for the (single) chat prompt
+        self.cache_salt: str | None = None  # tenant isolation (vLLM's cache_salt)
         self.request_id = (
             f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}"
         )
@@ -165,6 +166,7 @@ class OpenAIServing:
             raise from_value_error(exc) from exc
         prep = Prepared(prompts, texts, params, kind)
         prep.kv_transfer_params = transfer
+        prep.cache_salt = req.cache_salt
         return prep
 
     # --- execution ---------------------------------------------------------------------
@@ -177,6 +179,7 @@ class OpenAIServing:
                 prep.request_id,
                 prep.kv_transfer_params,
                 prep.mm_features,
+                prep.cache_salt,
             ):
                 yield 0, out
             return
@@ -185,7 +188,11 @@ class OpenAIServing:
         async def pump(i: int, ids: list[int]):
             try:
                 async for out in self.engine.generate(
-                    ids, prep.params, f"{prep.request_id}-p{i}", prep.kv_transfer_params
+                    ids,
+                    prep.params,
+                    f"{prep.request_id}-p{i}",
+                    prep.kv_transfer_params,
+                    cache_salt=prep.cache_salt,
                 ):
                     await queue.put((i, out))
             except Exception as exc:  # surfaced to the consumer below
