@@ -133,6 +133,9 @@ class LLM:
             raise ValueError(
                 "prompts: each prompt must be a str or a dict with 'prompt' or 'prompt_token_ids'"
             )
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
         request_id = str(next(self._ids))
         result = RequestOutput(request_id, text, token_ids, [], False)
         seqs = {}
@@ -149,7 +152,9 @@ class LLM:
                 i, detok, logprobs=[] if child.logprobs is not None else None
             )
             self.engine.add_request(
-                EngineCoreRequest(child_id, token_ids, child, mm_features=mm_features)
+                EngineCoreRequest(
+                    child_id, token_ids, child, mm_features=mm_features, cache_salt=cache_salt
+                )
             )
         if params.prompt_logprobs is not None:
             result.prompt_logprobs = [None]

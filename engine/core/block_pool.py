@@ -182,18 +182,20 @@ class BlockPool:
         num_full: int,
         token_ids,
         block_size: int,
-        extra_keys=None,
+        extra_keys: list | None = None,
         group_idx: int = 0,
     ) -> None:
         """Name blocks ``num_cached..num_full-1`` of one group by their hashes and announce
-        them (null blocks of a sliding window are skipped)."""
+        them (null blocks of a sliding window are skipped); ``extra_keys``, one entry per
+        block of that range, are the hash extra keys the events carry (None: none)."""
         if not self.enable_caching or num_full <= num_cached:
             return
-        new_hashes = []
+        new_hashes, new_extra = [], []
         for i in range(num_cached, num_full):
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
                 continue
+            new_extra.append(extra_keys[i - num_cached] if extra_keys else None)
             block.block_hash = block_hashes[i]
             block.group_idx = group_idx
             self.cached.setdefault(cache_key(block.block_hash, group_idx), {})[block.block_id] = (
@@ -208,7 +210,7 @@ class BlockPool:
                     parent_block_hash=parent,
                     token_ids=list(token_ids[num_cached * block_size : num_full * block_size]),
                     block_size=block_size,
-                    extra_keys=[extra_keys] * len(new_hashes),
+                    extra_keys=new_extra,
                     group_idx=group_idx,
                 )
             )

@@ -151,6 +151,7 @@ class EngineCore:
                 req.arrival_time or time.monotonic(),
                 self._kv_transfer_params(req.kv_transfer_params),
                 self._mm_features(req),
+                req.cache_salt,
             )
         )
 

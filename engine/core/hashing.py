@@ -65,20 +65,36 @@ class BlockHasher:
         self.block_size = block_size
         self.hash_fn = hash_fn
         self.root = root
-        self.extra_keys = extra_keys  # e.g. (lora_name, cache_salt) applying to every block
+        self.extra_keys = extra_keys  # e.g. a LoRA name, applying to every block
 
-    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], mm_spans=()) -> None:
+    def block_extra_keys(self, i: int, mm_spans=(), cache_salt: str | None = None):
+        """Extra keys of block ``i``: identifiers of the multimodal items overlapping it,
+        then, on block 0 only, the request's ``cache_salt`` (later blocks inherit it
+        through the chain); None when there are none."""
+        extra = self.extra_keys
+        if mm_spans:
+            bs = self.block_size
+            ids = tuple(ident for s, e, ident in mm_spans if s < (i + 1) * bs and e > i * bs)
+            extra = ids or extra
+        if cache_salt and i == 0:
+            extra = (*(extra or ()), cache_salt)
+        return extra
+
+    def extend(
+        self,
+        hashes: list[BlockHash],
+        token_ids: Sequence[int],
+        mm_spans=(),
+        cache_salt: str | None = None,
+    ) -> None:
         """Append hashes for every newly completed block of ``token_ids``.
 
         ``mm_spans`` are ``(start, end, identifier)`` of multimodal placeholders: a block
-        overlapping one carries its identifier, so different images never share blocks.
+        overlapping one carries its identifier, so different images never share blocks;
+        ``cache_salt`` (a tenant's) roots the chain apart from every other salt.
         """
         bs = self.block_size
-        start = len(hashes)
-        for i in range(start, len(token_ids) // bs):
+        for i in range(len(hashes), len(token_ids) // bs):
             parent = hashes[i - 1] if i > 0 else self.root
-            extra = self.extra_keys
-            if mm_spans:
-                ids = tuple(ident for s, e, ident in mm_spans if s < (i + 1) * bs and e > i * bs)
-                extra = ids or extra
+            extra = self.block_extra_keys(i, mm_spans, cache_salt)
             hashes.append(hash_block(self.hash_fn, parent, token_ids[i * bs : (i + 1) * bs], extra))

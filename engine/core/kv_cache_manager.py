@@ -141,6 +141,7 @@ class KVCacheManager:
         num_full = min(num_known, len(request.block_hashes))
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         if num_full > num_cached:
+            extra_keys = request.block_extra_keys(num_cached, num_full)
             for g, group_blocks in enumerate(blocks):
                 self.pool.cache_full_blocks(
                     group_blocks,
@@ -149,6 +150,7 @@ class KVCacheManager:
                     num_full,
                     request.all_token_ids,
                     self.block_size,
+                    extra_keys,
                     group_idx=g,
                 )
             self.num_cached_blocks[request.request_id] = num_full
