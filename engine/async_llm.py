@@ -22,6 +22,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.core_proc import ABORT, ADD, READY
 from epdserve.engine.core.engine_core import EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutputs, SchedulerStats
+from epdserve.engine.core.step_guard import maybe_fail
 from epdserve.engine.output_processor import RequestState, StreamOutput
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
@@ -43,6 +44,14 @@ def core_threads_env() -> dict[str, str]:
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; requests cannot be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed (the engine refused or could not serve it); others go on."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class AsyncLLM:
@@ -90,6 +99,17 @@ class AsyncLLM:
             asyncio.create_task(self._output_loop()),
             asyncio.create_task(self._watch_process()),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """The output loop and the watcher must never end silently: the pod is unusable."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("frontend task %s failed", task.get_coro().__name__, exc_info=exc)
+            self._mark_dead(f"frontend output handling failed ({type(exc).__name__}: {exc})")
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -118,7 +138,9 @@ class AsyncLLM:
         self.dead = reason
         log.error("%s; failing %d in-flight requests", reason, len(self.states))
         for state in list(self.states.values()):
-            state.fail(reason)
+            # 500, not 503: a request in flight may be what ended the core, so a router
+            # must not retry it on the next pod
+            state.fail(f"the engine core died while serving this request: {reason}", 500)
 
     async def shutdown(self) -> None:
         for task in self._tasks:
@@ -173,8 +195,10 @@ class AsyncLLM:
                 out = await state.get()
                 yield out
                 if out.finished:
-                    if out.error:
+                    if out.error and state.error_status == 503:
                         raise EngineDeadError(out.error)
+                    if out.error:
+                        raise RequestFailedError(out.error, state.error_status)
                     break
         finally:
             self._forget(state, children, finished=state.finished)
@@ -190,6 +214,8 @@ class AsyncLLM:
             asyncio.get_running_loop().create_task(self._abort(unfinished))
         if self.metrics and finished and not state.error:
             self.metrics.on_request_finished(state)
+        elif self.metrics and state.error:
+            self.metrics.on_request_error(state.error_cause)
 
     async def _abort(self, child_ids: list[str]) -> None:
         await self.input.send_multipart([self.core_identity, ABORT, self._encode.encode(child_ids)])
@@ -204,8 +230,17 @@ class AsyncLLM:
                 state = self.child_to_state.get(out.request_id)
                 if state is None:
                     continue
-                if state.process(out):
-                    stopped.append(out.request_id)
+                try:
+                    maybe_fail("detokenize", (out.request_id,))
+                    if state.process(out):
+                        stopped.append(out.request_id)
+                except Exception as exc:  # this request's output is broken, not the others'
+                    log.exception("processing output of request %s failed", out.request_id)
+                    state.fail(f"output processing failed ({type(exc).__name__}: {exc})", 500)
+                    state.error_cause = "output_processing"
+                    continue
+                if out.error is not None:
+                    state.error_cause = "engine_step" if out.error_status == 500 else "rejected"
                 if self.metrics:
                     self.metrics.on_tokens(state, len(out.new_token_ids), now)
             if stopped:

@@ -136,6 +136,15 @@ class EngineMetrics:
             "epdserve:kv_load_failures",
             "KV blocks a connector failed to load (recomputed instead).",
         )
+        self.failed_steps = c(
+            "epdserve:engine_failed_steps",
+            "Engine-core steps that raised; their requests were isolated and retried.",
+        )
+        self.request_errors = c(
+            "epdserve:request_errors",
+            "Requests that ended in an error, by cause.",
+            ["cause"],
+        )
         by_source = c(
             "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ["source"]
         )
@@ -173,11 +182,15 @@ class EngineMetrics:
         self.encoder_cache_hits.inc(max(0, stats.mm_hits - last.mm_hits))
         self.encoder_runs.inc(max(0, stats.encoder_runs - last.encoder_runs))
         self.encoder_loads.inc(max(0, stats.encoder_loads - last.encoder_loads))
+        self.failed_steps.inc(max(0, stats.failed_steps - last.failed_steps))
         now = stats.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
         then = last.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
         for source, a, b in zip(PROMPT_SOURCES, now, then, strict=True):
             self.by_source[source].inc(max(0, a - b))
         self._last = stats
+
+    def on_request_error(self, cause: str) -> None:
+        self.request_errors.labels(**self.labels, cause=cause).inc()
 
     def on_request_added(self, num_prompt_tokens: int, params) -> None:
         self.prompt_tokens.inc(num_prompt_tokens * params.n)

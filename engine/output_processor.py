@@ -75,6 +75,8 @@ class RequestState:
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.error: str | None = None
+        self.error_status = 503  # 503: the engine is gone; 500/400: this request failed
+        self.error_cause = "engine_dead"  # for the request-errors metric
         self.event = asyncio.Event()
         self.arrival = arrival
         self.first_token_time: float | None = None
@@ -90,6 +92,9 @@ class RequestState:
     def process(self, out: EngineCoreOutput) -> bool:
         """Apply one core output; returns True if a stop string finished the sequence."""
         seq = self.seqs[out.request_id]
+        if out.error is not None:
+            self.fail(out.error, out.error_status)
+            return False
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.kv_transfer_params is not None and seq.index == 0:
             self.kv_transfer_params = out.kv_transfer_params
@@ -114,8 +119,9 @@ class RequestState:
         self.event.set()
         return stopped
 
-    def fail(self, message: str) -> None:
-        self.error = message
+    def fail(self, message: str, status: int = 503) -> None:
+        if self.error is None:
+            self.error, self.error_status = message, status
         self.event.set()
 
     async def get(self) -> StreamOutput:

@@ -157,6 +157,11 @@ class BlockPool:
             self.events.append(BlockRemoved([block.block_hash], block.group_idx))
         block.block_hash = None
 
+    def uncache(self, blocks: list[KVCacheBlock]) -> None:
+        """Forget the cached names of ``blocks`` (announced as removed); they stay in use."""
+        for block in blocks:
+            self._evict(block)
+
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the queue."""
         for block in blocks:

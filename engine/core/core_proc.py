@@ -48,6 +48,8 @@ class CoreLoop:
         self.poller = zmq.Poller()
         self.poller.register(input_sock, zmq.POLLIN)
         self.last_counts: tuple = ()
+        self.rejected = 0  # requests refused at add (malformed or invalid)
+        self.publish_failures = 0
 
     def run(self) -> None:
         while True:
@@ -56,10 +58,17 @@ class CoreLoop:
             outputs = self.core.step()
             events = self.core.take_events()
             if events:  # one batch per step, in block-pool order
-                self.publisher.publish([to_wire_event(e) for e in events])
+                self._publish(events)
             stats = self.core.stats()  # once per step: it decides the send and travels with it
             if outputs or self._counts(stats) != self.last_counts:
                 self._send(outputs, stats)
+
+    def _publish(self, events: list) -> None:
+        try:
+            self.publisher.publish([to_wire_event(e) for e in events])
+        except Exception:  # routers resync through replay; serving goes on
+            self.publish_failures += 1
+            log.exception("publishing %d KV events failed", len(events))
 
     def _drain_input(self, timeout_ms: int) -> None:
         if not self.poller.poll(timeout_ms):
@@ -73,23 +82,34 @@ class CoreLoop:
 
     def _handle(self, kind: bytes, payload: bytes) -> None:
         if kind == ABORT:
-            self.core.abort_requests(_decode_abort.decode(payload))
+            try:
+                self.core.abort_requests(_decode_abort.decode(payload))
+            except msgspec.DecodeError:
+                log.exception("malformed abort message ignored")
             return
         if kind != ADD:
             log.warning("ignoring message of unknown type %r", kind)
             return
         try:
             req = _decode_add.decode(payload)
-        except msgspec.ValidationError:
-            log.exception("malformed request dropped")
+        except msgspec.DecodeError as exc:
+            self._reject(_request_id_of(payload), exc, 400)
             return
         try:
             self.core.add_request(req)
         except ValueError as exc:  # validated by the frontend; reject rather than crash
-            log.warning("request %s rejected: %s", req.request_id, exc)
-            self._send(
-                [EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=str(exc))]
-            )
+            self._reject(req.request_id, exc, 400)
+        except Exception as exc:  # a request the core cannot take must not end the core
+            log.exception("adding request %s failed", req.request_id)
+            self._reject(req.request_id, exc, 500)
+
+    def _reject(self, request_id: str | None, exc: Exception, status: int) -> None:
+        log.warning("request %s rejected: %s", request_id, exc)
+        self.rejected += 1
+        if request_id is not None:  # its client waits for an answer
+            out = EngineCoreOutput(request_id, [], finish_reason="abort", stop_reason=str(exc))
+            out.error, out.error_status = str(exc), status
+            self._send([out])
 
     @staticmethod
     def _counts(stats: SchedulerStats) -> tuple:
@@ -103,12 +123,24 @@ class CoreLoop:
             stats.kv_load_failures,
             stats.encoder_runs,
             stats.encoder_loads,
+            stats.failed_steps,
         )
 
     def _send(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None = None) -> None:
         stats = stats or self.core.stats()
         self.last_counts = self._counts(stats)
         self.output.send(_encode.encode(EngineCoreOutputs(outputs, time.time(), stats)), copy=False)
+
+
+def _request_id_of(payload: bytes) -> str | None:
+    """The id of an add message that does not decode as a request (its first field)."""
+    try:
+        fields = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(fields, list) and fields and isinstance(fields[0], str):
+        return fields[0]
+    return None
 
 
 def _die_with_parent() -> None:

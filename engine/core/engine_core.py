@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -18,11 +19,14 @@ from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
+from epdserve.engine.core.step_guard import StepGuard, maybe_fail
 from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
 from epdserve.engine.kv_transfer.setup import create_kv_connectors, encoder_fingerprint
 from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes
+
+log = logging.getLogger("epdserve.core")
 
 DEFAULT_KV_CACHE_CAP = 1 << 30
 IDLE_POLL_S = 0.001
@@ -104,6 +108,7 @@ class EngineCore:
         self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
         self.eos_token_ids = model_cfg.eos_token_ids
         self.step_count = 0
+        self.guard = StepGuard()
 
     def _block_shape(self) -> tuple[int, ...]:
         cfg = self.model.config
@@ -190,12 +195,22 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
+        self.scheduler.solo_id = self.guard.solo(self.scheduler.requests)
         sched = self.scheduler.schedule()
-        result = self.runner.execute_model(sched)
+        try:
+            maybe_fail("execute", sched.num_scheduled_tokens)
+            result = self.runner.execute_model(sched)
+        except Exception as exc:  # one request's fault must not end every request
+            return self.guard.contain(self.scheduler, sched, exc)
         self.step_count += 1
         if not sched.total_num_scheduled_tokens:
             time.sleep(IDLE_POLL_S)  # only connector work in flight: poll, don't spin
-        return self.scheduler.update_from_output(sched, result)
+        outputs = self.scheduler.update_from_output(sched, result)
+        for req_id, exc in self.scheduler.update_failures:
+            log.error("updating request %s failed", req_id, exc_info=exc)
+            outputs += self.guard.fail(self.scheduler, [req_id], f"{type(exc).__name__}: {exc}")
+        self.guard.passed(result)
+        return outputs
 
     def close(self) -> None:
         for connector in self.kv_connectors:
@@ -218,6 +233,7 @@ class EngineCore:
             s.num_preemptions,
             self.step_count,
             prompt_tokens_by_source=list(s.prompt_sources),
+            failed_steps=self.guard.num_failed_steps,
         )
         if s.encoder is not None:
             stats.mm_queries, stats.mm_hits = s.encoder.cache.queries, s.encoder.cache.hits

@@ -81,6 +81,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None  # for the next pod (P/D), on the last output
     ec_transfer_params: dict[str, Any] | None = None  # encoder pods: the items stored
+    # the request failed (finish_reason "abort"): why, and the HTTP status the client gets
+    # (400: the core refused its input; 500: an exception while serving it)
+    error: str | None = None
+    error_status: int = 500
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -102,6 +106,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     mm_hits: int = 0  # of which served from the encoder cache
     encoder_runs: int = 0  # images the vision encoder actually encoded
     encoder_loads: int = 0  # images loaded from the shared encoder-output store
+    failed_steps: int = 0  # steps whose execution raised (contained by the step guard)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -155,6 +155,18 @@ class KVCacheManager:
                 )
             self.num_cached_blocks[request.request_id] = num_full
 
+    def forget_uncomputed(self, request: Request, num_computed: int) -> None:
+        """Un-name the request's blocks past its first ``num_computed`` tokens: a failed
+        step named them in the prefix cache but may never have written their KV."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return
+        first = num_computed // self.block_size
+        self.pool.uncache([b for group in blocks for b in group[first:]])
+        if self.num_cached_blocks.get(rid, 0) > first:
+            self.num_cached_blocks[rid] = first
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so its prefix outlives its suffix."""
         self.release(self.detach(request))

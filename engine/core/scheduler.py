@@ -22,6 +22,7 @@ from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.sched_utils import check_stop, make_output
+from epdserve.engine.core.step_guard import maybe_fail
 from epdserve.engine.kv_transfer.coordinator import LoadStart
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
         self.prompt_sources = [0, 0, 0]  # prompt tokens: computed, local cache hit, loaded
+        self.solo_id: str | None = None  # set by the step guard: schedule only this request
+        self.update_failures: list[tuple[str, Exception]] = []  # of the last update
 
     # --- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -71,6 +74,11 @@ class Scheduler:
             self._free(request)
             done.append(request)
         return done
+
+    def preempt(self, request: Request) -> None:
+        """Send a running request back to the queue (its KV is recomputed later)."""
+        self.running.remove(request)
+        self._preempt(request, {}, [])
 
     def _free(self, request: Request) -> tuple[dict | None, bool]:
         """Free (or hand to the connector) a finished request: ``(kv_transfer_params, held)``."""
@@ -101,8 +109,15 @@ class Scheduler:
         preempted = False
 
         i = 0
+        solo = self.requests.get(self.solo_id) if self.solo_id else None
+        if solo is not None and solo.status != RequestStatus.RUNNING and solo in self.waiting:
+            self.waiting.remove(solo)  # a solo run admits only this request
+            self.waiting.appendleft(solo)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if solo is not None and request is not solo:
+                i += 1
+                continue
             n = min(
                 request.num_tokens - request.num_computed_tokens,
                 budget,
@@ -134,8 +149,15 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
+            if solo is not None and request is not solo:
+                break
             admitted = self._admit(request, budget)
             if admitted is LoadStart.NO_ROOM and self._unpin(request):
+                admitted = self._admit(request, budget)
+            while admitted is LoadStart.NO_ROOM and solo is not None and self.running:
+                self.preempt(self.running[-1])  # paused requests make room for the solo run
+                self.waiting.remove(solo)
+                self.waiting.appendleft(solo)
                 admitted = self._admit(request, budget)
             if admitted is LoadStart.NO_ROOM:
                 break
@@ -260,26 +282,38 @@ class Scheduler:
             ready, released = self.kv_transfer.update(result.kv_connector_output)
             self.waiting.extendleft(reversed(ready))
             outputs.extend(released)
+        self.update_failures = []
         for req_id, token_ids in zip(result.req_ids, result.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted while its step ran
-            prompt_lp = result.prompt_logprobs.get(req_id)
-            if not token_ids and prompt_lp is None:
-                continue  # a partial prefill chunk
-            if token_ids:
-                request.append_output_token_ids(token_ids)
-                check_stop(request, self.max_model_len)
-            output = make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
-            held = False
-            if request.is_finished:
-                self.running.remove(request)
-                output.kv_transfer_params, held = self._free(request)
-            if held and output.kv_transfer_params is not None:
-                self.kv_transfer.hold_output(output)  # sent once the next pod can load it
-            else:
+            try:  # one request's failure here is its own (the step guard fails it)
+                maybe_fail("update", (req_id,))
+                output = self._update_request(request, token_ids, result)
+            except Exception as exc:
+                self.update_failures.append((req_id, exc))
+                continue
+            if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _update_request(self, request: Request, token_ids, result) -> EngineCoreOutput | None:
+        req_id = request.request_id
+        prompt_lp = result.prompt_logprobs.get(req_id)
+        if not token_ids and prompt_lp is None:
+            return None  # a partial prefill chunk
+        if token_ids:
+            request.append_output_token_ids(token_ids)
+            check_stop(request, self.max_model_len)
+        output = make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
+        held = False
+        if request.is_finished:
+            self.running.remove(request)
+            output.kv_transfer_params, held = self._free(request)
+        if held and output.kv_transfer_params is not None:
+            self.kv_transfer.hold_output(output)  # sent once the next pod can load it
+            return None
+        return output
 
     # --- stats ---------------------------------------------------------------------------
     def num_running(self) -> int:

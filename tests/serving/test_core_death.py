@@ -47,7 +47,8 @@ def test_killing_the_core_fails_pending_and_new_requests_within_seconds(doomed_s
     os.kill(srv.core_pid(), signal.SIGKILL)
     thread.join(30)
     assert not thread.is_alive()
-    assert results["status"] == 503 and results["elapsed"] < 15
+    # in flight: 500 (it may be what ended the core, so no router retries it); new: 503
+    assert results["status"] == 500 and results["elapsed"] < 15
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and httpx.get(srv.url + "/health").status_code != 503:
         time.sleep(0.1)

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from epdserve import __version__
-from epdserve.engine.async_llm import AsyncLLM, EngineDeadError
+from epdserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.entrypoints.openai import responses
 from epdserve.engine.entrypoints.openai.errors import (
@@ -110,6 +110,15 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, exc: EngineDeadError):
         return error_response(503, f"engine unavailable: {exc}")
+
+    @app.exception_handler(RequestFailedError)
+    async def failed(_: Request, exc: RequestFailedError):
+        return error_response(exc.status, str(exc))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal error ({type(exc).__name__})")
 
 
 def _install_auth(app: FastAPI, state: ServerState) -> None:
@@ -245,6 +254,16 @@ async def _guard_stream(body):
             yield chunk
     except EngineDeadError as exc:
         yield sse(error_body(503, f"engine unavailable: {exc}"))
+        yield b"data: [DONE]\n\n"
+    except RequestFailedError as exc:
+        yield sse(error_body(exc.status, str(exc)))
+        yield b"data: [DONE]\n\n"
+    except APIError as exc:
+        yield sse(error_body(exc.status, exc.message, exc.param))
+        yield b"data: [DONE]\n\n"
+    except Exception as exc:  # the stream ends with an error event, never a cut connection
+        log.exception("stream failed")
+        yield sse(error_body(500, f"internal error ({type(exc).__name__})"))
         yield b"data: [DONE]\n\n"
 
 
