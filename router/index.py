@@ -1,8 +1,9 @@
 """PrefixIndex: which pod holds which block, keyed by the router's chained keys.
 
 Each ``BlockStored`` is turned into router keys from its parent's key and its tokens
-(see :mod:`epdserve.router.keys`); the index remembers, per pod, engine hash -> key so
-``BlockRemoved`` can evict and children can chain. Memory is bounded: at most
+(see :mod:`epdserve.router.keys`; a prompt's first block is rooted by its ``cache_salt``);
+the index remembers, per pod, engine hash -> key so ``BlockRemoved`` can evict and children
+can chain. Memory is bounded: at most
 ``capacity`` keys, least recently stored or matched first out.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from epdserve.connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from epdserve.router.keys import chain_keys, root_key, token_bytes
+from epdserve.router.keys import chain_keys, first_block_salt, root_key, token_bytes
 
 
 @dataclass
@@ -24,7 +25,7 @@ class IngestResult:
     stored: int = 0
     removed: int = 0
     orphaned: int = 0  # blocks whose parent the index does not know
-    skipped: int = 0  # blocks with extra keys (images, salt) or invalid tokens
+    skipped: int = 0  # blocks with image extra keys or invalid tokens
     cleared: bool = False
 
 
@@ -87,8 +88,12 @@ class PrefixIndex:
     def _store(
         self, pod: str, blocks: _PodBlocks, event: BlockStored, result: IngestResult
     ) -> None:
+        extra = event.extra_keys
         if event.parent_block_hash is None:
-            parent = root_key(event.lora_name)
+            salt = first_block_salt(extra[0]) if extra else None
+            parent = root_key(event.lora_name, salt)
+            if salt is not None:
+                extra = [None, *extra[1:]]  # the salt is in the root key now
         else:
             known = blocks.by_hash.get(event.parent_block_hash)
             if known is None:
@@ -96,11 +101,8 @@ class PrefixIndex:
                 return
             parent = known[0]
         n = len(event.block_hashes)
-        extra = event.extra_keys
         if extra is not None and any(k is not None for k in extra):
-            n = next(
-                i for i, k in enumerate(extra) if k is not None
-            )  # stop at the first mm/salt block
+            n = next(i for i, k in enumerate(extra) if k is not None)  # stop at an image block
         try:
             packed = token_bytes(event.token_ids[: n * event.block_size])
         except (OverflowError, TypeError):

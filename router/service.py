@@ -176,7 +176,7 @@ class Router:
         start = time.perf_counter()
         pods = self.available()
         ids = self.prompt_ids(path, body) if pods else None
-        matched, totals, keys = self._match(pods, ids, self._lora(body))
+        matched, totals, keys = self._match(pods, ids, self._lora(body), _salt(body))
         candidates = [
             Candidate(
                 p.name,
@@ -198,7 +198,9 @@ class Router:
             return model
         return None
 
-    def _match(self, pods: list[PodState], ids: list[int] | None, lora: str | None):
+    def _match(
+        self, pods: list[PodState], ids: list[int] | None, lora: str | None, salt: str | None
+    ):
         if not ids:
             return {}, {}, {}
         by_size: dict[int, list[str]] = {}
@@ -209,7 +211,7 @@ class Router:
         totals: dict[str, int] = {}
         pod_keys: dict[str, list[int]] = {}
         for size, names in by_size.items():
-            keys = request_keys(ids, size, lora)
+            keys = request_keys(ids, size, lora, salt)
             found = self.index.match(keys, names)
             expected = self.pending.match(keys, names)
             matched.update({n: max(found[n], expected[n]) for n in names})
@@ -234,3 +236,10 @@ class Router:
         if evicted > self._evicted_seen:
             self.metrics.index_evictions.inc(evicted - self._evicted_seen)
             self._evicted_seen = evicted
+
+
+def _salt(body: dict) -> str | None:
+    """The request's ``cache_salt`` (tenant isolation); a malformed one is the engine's to
+    reject, so it routes as unsalted."""
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None
