@@ -6,9 +6,23 @@ import base64
 import secrets
 
 from epdserve.operator import meta
+from epdserve.operator.quantity import parse_bytes
 from epdserve.operator.spec import PoolSpec
 
 REDIS_PORT = 6379
+DEFAULT_MAX_MEMORY = 1 << 30  # without a memory limit to derive it from
+LIMIT_SHARE = 0.8  # of the memory limit: room for Redis' buffers and fragmentation
+
+
+def max_memory(pool: PoolSpec) -> int:
+    """The managed Redis' `maxmemory` in bytes: the spec's, else 80 % of the container's
+    memory limit, else 1 GiB."""
+    if pool.cache.redis_max_memory is not None:
+        return pool.cache.redis_max_memory
+    limit = (pool.cache.redis_resources.get("limits") or {}).get("memory")
+    if limit is None:
+        return DEFAULT_MAX_MEMORY
+    return max(1, int(parse_bytes(limit) * LIMIT_SHARE))
 
 
 def new_password() -> str:
@@ -28,7 +42,8 @@ def build_redis_secret(pool: PoolSpec, password: str) -> dict:
 
 
 def build_redis_deployment(pool: PoolSpec) -> dict:
-    """Deployment `<pool>-redis`: a cache-only redis-server (no persistence) with a password."""
+    """Deployment `<pool>-redis`: a cache-only redis-server (no persistence) with a password,
+    bounded by `maxmemory` and evicting least recently used keys when full."""
     name = meta.name_of(pool, "redis")
     selector = {meta.REDIS_LABEL: pool.name}
     container = {
@@ -39,6 +54,7 @@ def build_redis_deployment(pool: PoolSpec) -> dict:
         # The password stays out of the pod spec: the shell reads it from the env at start.
         "args": [
             'exec redis-server --port 6379 --save "" --appendonly no --dir /data '
+            f"--maxmemory {max_memory(pool)} --maxmemory-policy allkeys-lru "
             '--requirepass "$REDIS_PASSWORD"'
         ],
         "env": [

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from epdserve.operator import cache, engine, meta, router
+from epdserve.operator import cache, engine, meta, network, router
 from epdserve.operator.spec import ROLES, PoolSpec
 
 # Kinds the operator owns, in apply order (ConfigMap before the pods that read it, RBAC
-# before the router that needs it), as (apiVersion, kind).
+# before the router that needs it, NetworkPolicies before the pods they fence), as
+# (apiVersion, kind).
 OWNED_KINDS = (
     ("v1", "ConfigMap"),
     ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("v1", "Service"),
     ("apps/v1", "Deployment"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
@@ -27,6 +29,7 @@ def desired_objects(pool: PoolSpec) -> list[dict]:
         router.build_router_service_account(pool),
         router.build_router_role(pool),
         router.build_router_role_binding(pool),
+        *network.build_network_policies(pool),
     ]
     if pool.cache.backend == "redis" and pool.cache.redis_managed:
         objects += [cache.build_redis_service(pool), cache.build_redis_deployment(pool)]

@@ -8,64 +8,7 @@ import math
 
 from epdserve.operator import meta
 from epdserve.operator.spec import SERVE_ROLE, PoolSpec
-
-# role -> kv_role / ec_role of the connectors (None: the role does not use that connector)
-KV_ROLE = {"colocated": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
-EC_ROLE = {"encoder": "ec_producer", "prefill": "ec_consumer", "decode": "ec_consumer"}
-CONNECTORS = {
-    "redis": ("RedisConnector", "RedisECConnector"),
-    "sharedStorage": ("SharedStorageConnector", "SharedStorageECConnector"),
-}
-
-
-def redis_url(pool: PoolSpec) -> str:
-    """The Redis URL the connectors use (the password is merged in from the env)."""
-    if pool.cache.redis_managed:
-        return f"redis://{meta.name_of(pool, 'redis')}.{pool.namespace}.svc:6379/0"
-    return pool.cache.redis_url or ""
-
-
-def _extra_config(pool: PoolSpec) -> dict:
-    # the pool name keys every stored block (epd:kv:{pool}:...), so pools never mix
-    if pool.cache.backend == "redis":
-        return {"url": redis_url(pool), "pool": pool.name}
-    return {"path": pool.cache.storage_path.rstrip("/") + "/kv", "pool": pool.name}
-
-
-def kv_transfer_config(pool: PoolSpec, role: str) -> dict | None:
-    """`--kv-transfer-config` of a role, or None when the role moves no KV blocks."""
-    if pool.cache.backend == "none" or role not in KV_ROLE:
-        return None
-    return {
-        "kv_connector": CONNECTORS[pool.cache.backend][0],
-        "kv_role": KV_ROLE[role],
-        "kv_connector_extra_config": _extra_config(pool),
-    }
-
-
-def ec_transfer_config(pool: PoolSpec, role: str) -> dict | None:
-    """`--ec-transfer-config` of a role; only pools with encoder pods move encoder outputs."""
-    if pool.cache.backend == "none" or "encoder" not in pool.roles or role not in EC_ROLE:
-        return None
-    extra = _extra_config(pool)
-    if "path" in extra:
-        extra = {"path": pool.cache.storage_path.rstrip("/") + "/ec", "pool": pool.name}
-    return {
-        "ec_connector": CONNECTORS[pool.cache.backend][1],
-        "ec_role": EC_ROLE[role],
-        "ec_connector_extra_config": extra,
-    }
-
-
-def kv_events_config(pool: PoolSpec) -> dict:
-    """vLLM's KV-events config; the topic names the pod by IP (expanded by the kubelet)."""
-    return {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{meta.EVENTS_PORT}",
-        "replay_endpoint": f"tcp://*:{meta.REPLAY_PORT}",
-        "topic": f"kv@$(POD_IP):{meta.HTTP_PORT}@{pool.served_name}",
-    }
+from epdserve.operator.transfer import ec_transfer_config, kv_events_config, kv_transfer_config
 
 
 def build_config_map(pool: PoolSpec) -> dict:
@@ -108,6 +51,17 @@ def redis_password_env(pool: PoolSpec) -> list[dict]:
     ]
 
 
+def api_key_env(pool: PoolSpec) -> list[dict]:
+    """EPDSERVE_API_KEY from the router's API-key Secret (router and engines share it, so an
+    engine accepts the Authorization header the router forwards)."""
+    if pool.router.api_key_secret is None:
+        return []
+    secret, key = pool.router.api_key_secret
+    return [
+        {"name": "EPDSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+    ]
+
+
 def downward_env() -> list[dict]:
     """POD_IP / POD_NAME / POD_NAMESPACE from the downward API (POD_IP first: others expand it)."""
     fields = (("POD_IP", "status.podIP"), ("POD_NAME", "metadata.name"))
@@ -134,7 +88,7 @@ def engine_env(pool: PoolSpec, role: str) -> list[dict]:
     if ec_transfer_config(pool, role) is not None:
         key = f"ec-transfer-{role}.json"
         env.append(_from_config("EPDSERVE_EC_TRANSFER_CONFIG", config_map, key))
-    env += redis_password_env(pool)
+    env += redis_password_env(pool) + api_key_env(pool)
     env += [{"name": f"EPDSERVE_{k}", "value": str(v)} for k, v in sorted(pool.tuning.items())]
     user = [dict(e) for e in pool.roles[role].env]
     threads = core_threads(pool.roles[role].resources)

@@ -21,6 +21,7 @@ PLURALS = {
     "Deployment": "deployments",
     "Role": "roles",
     "RoleBinding": "rolebindings",
+    "NetworkPolicy": "networkpolicies",
     "ServiceMonitor": "servicemonitors",
     "InferencePool": "inferencepools",
 }

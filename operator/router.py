@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from epdserve.operator import meta
-from epdserve.operator.engine import downward_env, model_volumes
+from epdserve.operator.engine import api_key_env, downward_env, model_volumes
 from epdserve.operator.spec import PoolSpec
 
 # What the router may do with the API: find the pool's pods (namespaced, read-only).
@@ -109,7 +109,8 @@ def build_router_deployment(pool: PoolSpec) -> dict:
             {"name": "EPDSERVE_POOL", "value": pool.name},
             {"name": "HOME", "value": "/tmp"},
             {"name": "HF_HOME", "value": "/var/cache/huggingface"},
-        ],
+        ]
+        + api_key_env(pool),
         "ports": [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}],
         "resources": dict(router.resources),
         "volumeMounts": [

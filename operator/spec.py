@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from epdserve.operator.quantity import parse_bytes
+
 GROUP = "epdserve.io"
 VERSION = "v1alpha1"
 PLURAL = "inferencepools"
@@ -19,6 +21,7 @@ ROLES = ("colocated", "encoder", "prefill", "decode")
 # role -> value of `epdserve serve --role`
 SERVE_ROLE = {"colocated": "both", "encoder": "encoder", "prefill": "prefill", "decode": "decode"}
 STRATEGIES = ("round-robin", "least-load", "prefix", "prefix+load")
+DEFAULT_TTL_S = 3600  # stored KV blocks / encoder outputs expire after an hour by default
 
 
 class InvalidSpec(ValueError):
@@ -47,8 +50,11 @@ class CacheSpec:
     redis_managed: bool = False
     redis_image: str = "redis:7.4-alpine"
     redis_resources: dict = field(default_factory=dict)
+    redis_max_memory: int | None = None  # bytes; None: derived from the memory limit
+    ttl_s: int = DEFAULT_TTL_S  # expiry of stored values in Redis; 0: none
     storage_claim: str | None = None
     storage_path: str = "/cache"
+    storage_max_bytes: int | None = None  # LRU cap of the cache files; None: no cap
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class RouterSpec:
     tolerations: tuple[dict, ...] = ()
     service_type: str = "ClusterIP"
     service_port: int = 80
+    api_key_secret: tuple[str, str] | None = None  # (secret name, key) -> EPDSERVE_API_KEY
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class PoolSpec:
     kv_events: bool
     router: RouterSpec
     service_monitor: dict | None  # {"interval": ..., "labels": {...}} when enabled
+    network_policy: bool = True  # fence the KV-event and Redis ports to the pool's pods
 
     @property
     def model_arg(self) -> str:
@@ -120,20 +128,49 @@ def _role(raw: dict) -> RoleSpec:
     )
 
 
+def _bytes(value, where: str) -> int | None:
+    """A positive byte quantity of the spec, or None when unset."""
+    if value is None:
+        return None
+    try:
+        size = parse_bytes(value)
+    except ValueError as exc:
+        raise InvalidSpec(f"{where}: {exc}") from None
+    if size <= 0:
+        raise InvalidSpec(f"{where}: must be more than 0 bytes, got {value!r}")
+    return size
+
+
 def _cache(raw: dict) -> CacheSpec:
     redis = raw.get("redis") or {}
     storage = raw.get("sharedStorage") or {}
-    ref = redis.get("passwordSecretRef")
+    ttl = redis.get("ttlSeconds", DEFAULT_TTL_S)
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0:
+        raise InvalidSpec(f"spec.cache.redis.ttlSeconds: a whole number >= 0, got {ttl!r}")
     return CacheSpec(
         backend=raw.get("backend", "none"),
         redis_url=redis.get("url"),
-        redis_secret=(ref["name"], ref.get("key", "password")) if ref else None,
+        redis_secret=_secret_ref(
+            redis.get("passwordSecretRef"), "password", "spec.cache.redis.passwordSecretRef"
+        ),
         redis_managed=bool(redis.get("managed", False)),
         redis_image=redis.get("image", "redis:7.4-alpine"),
         redis_resources=_resources(redis.get("resources")),
+        redis_max_memory=_bytes(redis.get("maxMemory"), "spec.cache.redis.maxMemory"),
+        ttl_s=ttl,
         storage_claim=storage.get("claimName"),
         storage_path=storage.get("path", "/cache"),
+        storage_max_bytes=_bytes(storage.get("maxBytes"), "spec.cache.sharedStorage.maxBytes"),
     )
+
+
+def _secret_ref(raw: dict | None, default_key: str, where: str) -> tuple[str, str] | None:
+    """(secret name, key) of a `{name, key}` reference, or None when unset."""
+    if not raw:
+        return None
+    if not raw.get("name"):
+        raise InvalidSpec(f"{where}.name is required")
+    return raw["name"], raw.get("key") or default_key
 
 
 _TUNING = {
@@ -187,6 +224,9 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
             tolerations=tuple(router.get("tolerations") or ()),
             service_type=service.get("type", "ClusterIP"),
             service_port=int(service.get("port", 80)),
+            api_key_secret=_secret_ref(
+                router.get("apiKeySecretRef"), "api-key", "spec.router.apiKeySecretRef"
+            ),
         ),
         service_monitor=(
             {
@@ -196,6 +236,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
             if monitor.get("enabled")
             else None
         ),
+        network_policy=bool((spec.get("networkPolicy") or {}).get("enabled", True)),
     )
     validate(pool)
     return pool
@@ -238,5 +279,22 @@ def _validate_cache(pool: PoolSpec) -> None:
             raise InvalidSpec(
                 "spec.cache.redis.passwordSecretRef: the managed Redis generates its own password"
             )
+        _validate_max_memory(cache)
     if cache.backend == "sharedStorage" and not cache.storage_claim:
         raise InvalidSpec("spec.cache.sharedStorage.claimName is required for sharedStorage")
+
+
+def _validate_max_memory(cache: CacheSpec) -> None:
+    if cache.redis_max_memory is None:
+        return
+    if not cache.redis_managed:
+        raise InvalidSpec(
+            "spec.cache.redis.maxMemory: applies to the managed Redis only; "
+            "set maxmemory on the external server"
+        )
+    limit = (cache.redis_resources.get("limits") or {}).get("memory")
+    if limit is not None and cache.redis_max_memory > _bytes(limit, "resources.limits.memory"):
+        raise InvalidSpec(
+            f"spec.cache.redis.maxMemory: {cache.redis_max_memory} bytes exceeds the Redis "
+            f"container's memory limit ({limit}); it would be OOM-killed before evicting"
+        )

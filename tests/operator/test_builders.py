@@ -76,6 +76,7 @@ def test_kv_roles_follow_the_pool_shape():
         "kv_connector_extra_config": {
             "url": "redis://llama-pd-redis.default.svc:6379/0",
             "pool": "llama-pd",  # stored blocks are keyed by pool
+            "ttl_s": 3600,  # the default expiry of stored values
         },
     }
     assert engine.ec_transfer_config(pd, "prefill") is None  # no encoder pods: no EC connector

@@ -71,7 +71,13 @@ def _rules(docs: list[dict], kind: str) -> set[tuple[str, str, str]]:
 def test_rbac_is_namespaced_when_namespaces_are_listed():
     docs = render(SCOPED)
     roles = [d for d in docs if d["kind"] == "Role"]
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted({r["metadata"]["namespace"] for r in roles}) == ["team-a", "team-b"]
+    bound = {
+        (b["metadata"]["namespace"], b["roleRef"]["name"])
+        for b in docs
+        if b["kind"] == "RoleBinding"
+    }
+    assert bound == {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in roles}
     cluster_rules = _rules(docs, "ClusterRole")
     assert {r for _, r, _ in cluster_rules} == {"customresourcedefinitions", "namespaces"}
     assert all(verb in ("get", "list", "watch") for _, _, verb in cluster_rules)
@@ -94,6 +100,37 @@ def test_operator_rbac_allows_what_it_creates_and_no_more():
     assert ("", "secrets", "create") in rules and ("", "secrets", "patch") not in rules
     assert not any(verb in ("*", "escalate", "bind", "impersonate") for _, _, verb in rules)
     assert not any("*" in (group, resource) for group, resource, _ in rules)
+
+
+def _secret_grants(docs: list[dict]) -> dict[tuple[str, str], set[str]]:
+    """(kind, namespace) -> verbs on Secrets, for every Role and ClusterRole rendered."""
+    grants: dict[tuple[str, str], set[str]] = {}
+    for doc in docs:
+        if doc["kind"] in ("Role", "ClusterRole"):
+            for rule in doc["rules"]:
+                if "secrets" in rule["resources"]:
+                    key = (doc["kind"], doc["metadata"].get("namespace", ""))
+                    grants.setdefault(key, set()).update(rule["verbs"])
+    return grants
+
+
+def test_secrets_are_granted_only_in_the_watched_namespaces():
+    grants = _secret_grants(render(SCOPED))
+    assert set(grants) == {("Role", "team-a"), ("Role", "team-b")}
+
+
+def test_secret_access_is_cluster_wide_only_when_every_namespace_is_watched():
+    docs = render({})
+    assert set(_secret_grants(docs)) == {("ClusterRole", "")}
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--namespace") for a in args)  # it watches the whole cluster
+
+
+def test_the_operator_never_reads_or_rewrites_a_secret_by_name():
+    for values in ({}, SCOPED):
+        for verbs in _secret_grants(render(values)).values():
+            assert verbs == {"list", "create", "delete"}
 
 
 def test_operator_pod_is_locked_down_and_runs_epdserve_operator():

@@ -45,7 +45,27 @@ def external_redis_pool() -> dict:
     )
 
 
+def bounded_pool() -> dict:
+    """Store bounds, an API key and NetworkPolicies on a managed-Redis P/D pool."""
+    return pool_body(
+        "bounded",
+        roles={"prefill": {}, "decode": {}},
+        cache={
+            "backend": "redis",
+            "redis": {
+                "managed": True,
+                "maxMemory": "768Mi",
+                "ttlSeconds": 600,
+                "resources": {"limits": {"memory": "1Gi"}},
+            },
+        },
+        router={"apiKeySecretRef": {"name": "pool-keys", "key": "token"}},
+        networkPolicy={"enabled": True},
+    )
+
+
 VARIANTS = {
+    "bounded": bounded_pool,
     "colocated-text": lambda: example("colocated-text"),
     "pd-redis": lambda: example("pd-redis"),
     "epd-multimodal": lambda: example("epd-multimodal"),
@@ -118,6 +138,9 @@ def test_examples_validate_against_the_crd_schema(path):
         (lambda s: s.pop("model"), "'model' is a required property"),
         (lambda s: s["engine"].pop("image"), "'image' is a required property"),
         (lambda s: s.update(router={"service": {"port": 70000}}), "maximum"),
+        (lambda s: s.update(cache={"redis": {"maxMemory": "lots"}}), "does not match"),
+        (lambda s: s.update(cache={"redis": {"ttlSeconds": -1}}), "minimum"),
+        (lambda s: s.update(router={"apiKeySecretRef": {"key": "k"}}), "'name' is a required"),
     ],
 )
 def test_schema_rejects_bad_fields(mutate, message):

@@ -54,10 +54,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["services", "configmaps", "serviceaccounts"]
   verbs: ["get", "list", "create", "patch", "update", "delete"]
-# The managed Redis password: created once, never read back by the operator's logic.
-- apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get", "list", "create", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "create", "patch", "update", "delete"]
@@ -71,4 +67,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "create", "patch", "update", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "create", "patch", "update", "delete"]
+{{- end -}}
+
+{{/* Secrets, granted apart so the grant is easy to audit: the operator creates each managed
+Redis password once, lists its own (by label) to know whether it exists, and deletes it when
+the pool stops using it. It never reads one by name, and never updates one. */}}
+{{- define "epdserve.secretRules" -}}
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["list", "create", "delete"]
 {{- end -}}
