@@ -6,21 +6,16 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epdserve.router.disagg import handle as disagg_handle
+from epdserve.router.guard import ApiKeyCheck, BodyLimit
 from epdserve.router.loadstats import scrape_forever
-from epdserve.router.proxy import (
-    NoPodAvailable,
-    open_upstream,
-    openai_error,
-    relay,
-    request_headers,
-)
+from epdserve.router.proxy import ProxyError, open_upstream, relay, request_headers
 from epdserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -28,13 +23,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ProxySettings:
-    """Timeouts and retry policy of the gateway."""
+    """Timeouts, retry policy and request limits of the gateway."""
 
     connect_timeout: float = 2.0
     upstream_timeout: float = 600.0
     max_attempts: int = 3
     failure_backoff: float = 2.0
     scrape_interval: float = 1.0
+    max_body_bytes: int = 32 * 1024 * 1024  # image data URLs are big
+    api_key: str | None = field(default=None, repr=False)
 
 
 def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=None) -> FastAPI:
@@ -71,15 +68,25 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
                 disagg.close()
 
     app = FastAPI(title="epdserve router", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=router.metrics)
+    if settings.api_key:  # added last: checked first, before any body is read
+        app.add_middleware(ApiKeyCheck, api_key=settings.api_key, metrics=router.metrics)
+
+    def plain_router() -> Router:
+        """Pods for whole requests: colocated ones, else (a P/D pool) the decode pods."""
+        if disagg is None or router.available():
+            return router
+        return disagg.decode
 
     async def forward(request: Request, path: str, body: dict) -> Response:
         content = await request.body()
+        target = plain_router()
         # tokenizing a long prompt or rendering a template must not stall other streams
-        routing = await asyncio.to_thread(router.route, path, body)
+        routing = await asyncio.to_thread(target.route, path, body)
         try:
             upstream = await open_upstream(
                 request.app.state.client,
-                router,
+                target,
                 routing,
                 request.method,
                 path,
@@ -88,11 +95,11 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
                 max(settings.max_attempts, 1),
                 settings.failure_backoff,
             )
-        except NoPodAvailable as exc:
-            router.metrics.client_errors.labels("no_pod").inc()
-            return openai_error(503, str(exc), "ServiceUnavailableError")
+        except ProxyError as exc:
+            target.metrics.client_errors.labels(exc.reason).inc()
+            return exc.response()
         return StreamingResponse(
-            relay(router, upstream),
+            relay(target, upstream),
             status_code=upstream.response.status_code,
             headers=upstream.headers(),
         )
@@ -100,9 +107,10 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
     async def generation(request: Request, path: str) -> Response:
         try:
             body = json.loads(await request.body() or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = {}  # the engine answers malformed JSON with its own 400
-        body = body if isinstance(body, dict) else {}
+        except (ValueError, RecursionError):  # bad JSON or UTF-8, 5000-digit ints, nesting
+            body = None
+        if not isinstance(body, dict):  # a pod answers it with its own 400
+            return await forward(request, path, {})
         if disagg is not None and disagg.active():
             return await disagg_handle(
                 request.app.state.client,
@@ -125,6 +133,14 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await forward(request, "/v1/models", {})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await forward(request, "/tokenize", {})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await forward(request, "/detokenize", {})
 
     @app.get("/health")
     async def health() -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from epdserve.router.strategy import STRATEGIES
@@ -53,7 +54,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--scrape-interval", type=float, default=1.0, help="seconds between /metrics scrapes")
     a("--connect-timeout", type=float, default=2.0, help="upstream connect timeout (s)")
     a("--upstream-timeout", type=float, default=600.0, help="upstream read timeout (s)")
-    a("--max-attempts", type=int, default=3, help="pods tried per request before 503")
+    a(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="pods tried per request before 503 (only pod failures move on: refused, "
+        "reset before the headers, 503)",
+    )
+    a(
+        "--failure-backoff",
+        type=float,
+        default=2.0,
+        help="s a pod that refused a request stays out of rotation (grows with repeats, x8 max)",
+    )
+    a(
+        "--max-body-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="larger request bodies get 413 (image data URLs are big)",
+    )
+    a(
+        "--api-key",
+        default=os.environ.get("EPDSERVE_API_KEY") or None,
+        help="require Authorization: Bearer KEY on every route but /health, /ready, "
+        "/metrics (default: env EPDSERVE_API_KEY)",
+    )
     a("--log-level", default="info", help="python logging level")
 
 
@@ -75,6 +100,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--block-size must be >= 1")
     if args.scrape_interval <= 0:
         raise ValueError("--scrape-interval must be > 0")
+    if args.max_body_bytes < 1:
+        raise ValueError("--max-body-bytes must be >= 1")
+    if args.failure_backoff < 0:
+        raise ValueError("--failure-backoff must be >= 0")
 
 
 ROLE_LABEL = "epdserve.io/role"
@@ -159,7 +188,10 @@ def build(args: argparse.Namespace):
         connect_timeout=args.connect_timeout,
         upstream_timeout=args.upstream_timeout,
         max_attempts=args.max_attempts,
+        failure_backoff=args.failure_backoff,
         scrape_interval=args.scrape_interval,
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key or None,
     )
     return build_app(router, settings, discovery, disagg)
 

@@ -11,8 +11,12 @@ A request goes, when the pool has those roles:
 3. the original request plus those ``kv_transfer_params`` -> a decode pod (load-aware),
    whose answer (or SSE stream) is relayed unchanged.
 
-A prefill 4xx goes back to the client as is; a prefill failure (5xx, timeout, no params)
-sends the request to a decode pod without params, which then computes the prompt itself.
+Only pod failures (refused, reset before the headers, 503: see ``proxy``) move a leg on:
+to the next ranked pod, and once a role has none left, past the prefill (or encoder) step
+to the decode pod, which then computes the prompt (or encodes the images) itself. Any
+other answer of any leg (4xx, 500, ...) and any failure after a pod accepted the request
+go back to the client unchanged, so a request that breaks one pod never reaches another.
+A prefill answer without ``kv_transfer_params`` also sends the request on without them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from epdserve.router.proxy import NoPodAvailable, open_upstream, openai_error, relay
+from epdserve.router.proxy import (
+    NoPodAvailable,
+    ProxyError,
+    UpstreamFailed,
+    open_upstream,
+    pod_failure_cause,
+    read_all,
+    relay,
+)
 from epdserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -81,29 +93,42 @@ def prefill_body(body: dict) -> dict:
 
 
 async def encode_images(
-    client: httpx.AsyncClient, routers: DisaggRouters, path: str, body: dict, headers: dict
-) -> None:
+    client: httpx.AsyncClient, routers: DisaggRouters, settings, path: str, body, headers
+) -> Response | None:
+    """None when done or skipped (a pod failure: the prefill/decode pods will encode the
+    images themselves), or the encoder's error answer to return to the client as is."""
     urls = image_urls(body) if path.endswith("/chat/completions") else []
-    pods = routers.encoder.available() if routers.encoder is not None and urls else []
+    encoder = routers.encoder
+    pods = encoder.available() if encoder is not None and urls else []
     if not pods:
-        return
+        return None
     pod = pick_encoder(pods, urls)
-    routers.encoder.track_inflight(pod, +1)
+    encoder.track_inflight(pod, +1)
     try:
         resp = await client.post(
             pod.endpoint.url + path, json={**body, "stream": False}, headers=headers
         )
-        if resp.status_code >= 400:
-            routers.encoder.metrics.upstream_errors.labels(
-                pod.name, f"http_{resp.status_code}"
-            ).inc()
-        else:
-            routers.encoder.metrics.requests.labels(pod.name, "encoder_affinity").inc()
-    except httpx.HTTPError as exc:  # the prefill/decode pods will encode it themselves
-        routers.encoder.metrics.upstream_errors.labels(pod.name, type(exc).__name__).inc()
+    except httpx.HTTPError as exc:
+        cause = pod_failure_cause(exc)
+        encoder.metrics.upstream_errors.labels(pod.name, cause or type(exc).__name__).inc()
         log.warning("encoder pod %s failed: %s", pod.name, exc)
+        if cause is None:
+            timed_out = isinstance(exc, httpx.TimeoutException)
+            return UpstreamFailed(f"encoder pod {pod.name} failed", timed_out).response()
+        pod.mark_failed(settings.failure_backoff)
+        return None
     finally:
-        routers.encoder.track_inflight(pod, -1)
+        encoder.track_inflight(pod, -1)
+    if resp.status_code == 503:
+        encoder.metrics.upstream_errors.labels(pod.name, "http_503").inc()
+        pod.mark_failed(settings.failure_backoff)
+        return None
+    pod.mark_ok()
+    if resp.status_code >= 300:
+        encoder.metrics.upstream_errors.labels(pod.name, f"http_{resp.status_code}").inc()
+        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+    encoder.metrics.requests.labels(pod.name, "encoder_affinity").inc()
+    return None
 
 
 async def _open(client, router: Router, settings, path: str, body: dict, headers: dict):
@@ -128,16 +153,19 @@ async def run_prefill(
     """``(kv_transfer_params, None)``, or ``(None, response)`` to return to the client as is."""
     try:
         upstream = await _open(client, routers.prefill, settings, path, prefill_body(body), headers)
+        raw = await read_all(routers.prefill, upstream)
     except NoPodAvailable:
         routers.prefill.metrics.client_errors.labels("prefill_unavailable").inc()
         return None, None
+    except UpstreamFailed as exc:
+        routers.prefill.metrics.client_errors.labels(exc.reason).inc()
+        return None, exc.response()
     status = upstream.response.status_code
-    raw = b"".join([chunk async for chunk in relay(routers.prefill, upstream)])
-    if 400 <= status < 500:
-        return None, Response(raw, status_code=status, media_type="application/json")
+    if status != 200:
+        return None, Response(raw, status_code=status, headers=upstream.headers())
     try:
-        params = json.loads(raw).get("kv_transfer_params") if status == 200 else None
-    except (json.JSONDecodeError, AttributeError):
+        params = json.loads(raw).get("kv_transfer_params")
+    except (ValueError, AttributeError):
         params = None
     if params is None:
         routers.prefill.metrics.client_errors.labels("prefill_no_params").inc()
@@ -153,7 +181,9 @@ async def handle(
     headers: dict,
 ) -> Response:
     """Serve one generation request through the disaggregated pool."""
-    await encode_images(client, routers, path, body, headers)
+    early = await encode_images(client, routers, settings, path, body, headers)
+    if early is not None:
+        return early
     params = None
     if body.get("prompt_logprobs") is None:  # decode pods recompute those prompts anyway
         params, early = await run_prefill(client, routers, settings, path, body, headers)
@@ -162,9 +192,9 @@ async def handle(
     dbody = {**body, "kv_transfer_params": params} if params else body
     try:
         upstream = await _open(client, routers.decode, settings, path, dbody, headers)
-    except NoPodAvailable as exc:
-        routers.decode.metrics.client_errors.labels("no_pod").inc()
-        return openai_error(503, str(exc), "ServiceUnavailableError")
+    except ProxyError as exc:
+        routers.decode.metrics.client_errors.labels(exc.reason).inc()
+        return exc.response()
     return StreamingResponse(
         relay(routers.decode, upstream),
         status_code=upstream.response.status_code,

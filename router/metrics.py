@@ -22,8 +22,14 @@ class RouterMetrics:
         )
         self.upstream_errors = Counter(
             P + "upstream_errors",
-            "Upstream failures before streaming, by pod and kind",
+            "Upstream failures before streaming, by pod and kind (pod failures by cause)",
             ["pod", "kind"],
+            registry=r,
+        )
+        self.upstream_retries = Counter(
+            P + "upstream_retries",
+            "Requests sent on to the next ranked pod after a pod failure, by cause",
+            ["cause"],
             registry=r,
         )
         self.client_errors = Counter(

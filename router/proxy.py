@@ -1,4 +1,13 @@
-"""Forwarding one request to the ranked pods: retry until the first byte, then stream."""
+"""Forwarding one request to the ranked pods: retry only pod failures, then stream.
+
+A *pod failure* is the pod refusing a request before accepting it: the connection is
+refused or times out, it is closed or reset before the response headers, or the pod
+answers 503 (engine pods say 503 only up front: not ready, core already dead). Only those
+move the request on to the next ranked pod and count against the pod's failure backoff.
+Any other answer (4xx, 500, ...) goes to the client unchanged, and an error after the
+request was accepted (a read timeout, a reset after the headers) is never retried: the
+request itself may be what broke the pod, and it must not take the next pod down too.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +23,7 @@ from epdserve.router.service import Router, Routing
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUSES = frozenset({502, 503, 504})
+REFUSED_STATUS = 503
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -43,18 +52,63 @@ class Upstream:
         return {k: v for k, v in self.response.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
-def openai_error(status: int, message: str, kind: str) -> JSONResponse:
+def openai_error(status: int, message: str, kind: str, headers=None) -> JSONResponse:
     """An error in OpenAI's JSON shape."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-class NoPodAvailable(Exception):
-    """Every candidate pod failed before sending a byte (or there were none)."""
+class ProxyError(Exception):
+    """The router answers the client itself (``response()``): no pod gave an answer."""
+
+    status = 502
+    kind = "BadGatewayError"
+    reason = "upstream_failed"  # the request_failures metric's label
+
+    def response(self) -> JSONResponse:
+        return openai_error(self.status, str(self), self.kind)
+
+
+class NoPodAvailable(ProxyError):
+    """Every candidate pod refused the request (or there were none)."""
+
+    status = 503
+    kind = "ServiceUnavailableError"
+    reason = "no_pod"
+
+
+class UpstreamFailed(ProxyError):
+    """A pod accepted the request, then failed without an answer (not retried)."""
+
+    def __init__(self, message: str, timed_out: bool) -> None:
+        super().__init__(message)
+        if timed_out:
+            self.status, self.kind = 504, "GatewayTimeoutError"
+
+
+class PodFailure(Exception):
+    """The pod refused the request before accepting it; ``cause`` labels the metrics."""
+
+    def __init__(self, cause: str, detail: str) -> None:
+        super().__init__(f"{cause}: {detail}")
+        self.cause = cause
+
+
+def pod_failure_cause(exc: httpx.HTTPError) -> str | None:
+    """The retry cause of an error raised before the response headers, or None when the
+    pod may have accepted the request (a read or write timeout: it may be what hangs)."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "connect_timeout"
+    if isinstance(exc, httpx.ConnectError):
+        return "connect_refused"
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+        return "closed_before_headers"
+    return None
 
 
 def request_headers(headers) -> dict[str, str]:
-    """Client headers to forward upstream."""
+    """Client headers to forward upstream (``Authorization`` included: pods may share the
+    router's API key)."""
     return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
 
 
@@ -69,42 +123,56 @@ async def open_upstream(
     max_attempts: int,
     failure_backoff: float,
 ) -> Upstream:
-    """Try the ranked pods in order; the first that answers with a byte wins."""
-    for attempt, decision in enumerate(routing.order[:max_attempts]):
-        pod = router.pod(decision.pod)
-        if pod is None:
-            continue
+    """Try the ranked pods in order until one accepts the request; raises a ProxyError."""
+    candidates = [router.pod(d.pod) for d in routing.order[:max_attempts]]
+    candidates = [pod for pod in candidates if pod is not None]
+    for attempt, pod in enumerate(candidates):
         router.track_inflight(pod, +1)
         try:
             upstream = await _try_pod(client, pod, method, path, content, headers)
-        except (httpx.HTTPError, _RetryableStatus) as exc:
+        except PodFailure as failure:
+            router.track_inflight(pod, -1)
+            _count_pod_failure(router, pod, failure, failure_backoff, attempt + 1 < len(candidates))
+            continue
+        except httpx.HTTPError as exc:
             router.track_inflight(pod, -1)
             kind = type(exc).__name__
             router.metrics.upstream_errors.labels(pod.name, kind).inc()
-            log.warning("pod %s failed before streaming (%s): %s", pod.name, kind, exc)
-            pod.mark_failed(failure_backoff)
-            continue
+            log.warning("pod %s failed after accepting a request (%s): %s", pod.name, kind, exc)
+            raise UpstreamFailed(
+                f"pod {pod.name} failed: {kind}", isinstance(exc, httpx.TimeoutException)
+            ) from exc
         except BaseException:
             router.track_inflight(pod, -1)
             raise
-        pod.mark_ok()
+        pod.mark_ok()  # it answered, whatever the status: the pod is up
         router.record(routing, pod.name, attempt)
         return upstream
     raise NoPodAvailable("no pod could serve the request")
 
 
-class _RetryableStatus(Exception):
-    pass
+def _count_pod_failure(router, pod, failure: PodFailure, backoff: float, retried: bool) -> None:
+    router.metrics.upstream_errors.labels(pod.name, failure.cause).inc()
+    if retried:
+        router.metrics.upstream_retries.labels(failure.cause).inc()
+    log.warning("pod %s refused a request (%s)", pod.name, failure)
+    pod.mark_failed(backoff)
 
 
 async def _try_pod(client, pod: PodState, method, path, content, headers) -> Upstream:
     request = client.build_request(
         method, pod.endpoint.url + path, content=content, headers=headers
     )
-    response = await client.send(request, stream=True)
     try:
-        if response.status_code in RETRY_STATUSES:
-            raise _RetryableStatus(f"HTTP {response.status_code}")
+        response = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        cause = pod_failure_cause(exc)
+        if cause is None:
+            raise
+        raise PodFailure(cause, str(exc) or type(exc).__name__) from exc
+    try:
+        if response.status_code == REFUSED_STATUS:
+            raise PodFailure("http_503", "the pod is not accepting requests")
         chunks = response.aiter_raw()
         first = await anext(chunks, b"")
     except BaseException:
@@ -123,6 +191,20 @@ async def relay(router: Router, upstream: Upstream) -> AsyncIterator[bytes]:
     except httpx.HTTPError as exc:
         router.metrics.upstream_errors.labels(upstream.pod.name, "mid_stream").inc()
         log.warning("pod %s broke a response mid-stream: %s", upstream.pod.name, exc)
+    finally:
+        await upstream.response.aclose()
+        router.track_inflight(upstream.pod, -1)
+
+
+async def read_all(router: Router, upstream: Upstream) -> bytes:
+    """The whole upstream body; raises UpstreamFailed if the pod breaks it off."""
+    try:
+        return upstream.first + b"".join([chunk async for chunk in upstream.rest])
+    except httpx.HTTPError as exc:
+        router.metrics.upstream_errors.labels(upstream.pod.name, "mid_body").inc()
+        raise UpstreamFailed(
+            f"pod {upstream.pod.name} broke its answer off", isinstance(exc, httpx.TimeoutException)
+        ) from exc
     finally:
         await upstream.response.aclose()
         router.track_inflight(upstream.pod, -1)

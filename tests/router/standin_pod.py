@@ -75,7 +75,7 @@ def build(args) -> FastAPI:
         f"tcp://*:{args.events_port}", f"tcp://*:{args.replay_port}", f"kv@{args.port}"
     )
     cache = Cache(args.num_blocks, args.block_size, publisher)
-    state = {"running": 0}
+    state = {"running": 0, "requests": 0}
     busy = asyncio.Lock()  # one prefill at a time, like an engine's step loop
     app = FastAPI(on_shutdown=[publisher.close])
 
@@ -86,11 +86,20 @@ def build(args) -> FastAPI:
         prompt = body["prompt"]
         return prompt if isinstance(prompt, list) else tok.encode(prompt).ids
 
+    def bad_request(message: str) -> JSONResponse:
+        error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+        return JSONResponse({"error": error}, status_code=400)
+
     async def generate(request: Request, path: str) -> Response:
-        body = await request.json()
+        state["requests"] += 1
+        await asyncio.sleep(args.hang_s)  # a request that wedges the pod
         if args.fail_status:
             return JSONResponse({"error": "stand-in told to fail"}, status_code=args.fail_status)
-        ids = prompt_ids(path, body)
+        try:  # like the engine: malformed or mistyped bodies get a 400
+            body = json.loads(await request.body())
+            ids = prompt_ids(path, body)
+        except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
+            return bad_request(f"bad request body: {type(exc).__name__}")
         state["running"] += 1
         try:
             async with busy:
@@ -110,6 +119,7 @@ def build(args) -> FastAPI:
                     "id": "x",
                     "object": kind,
                     "pod": args.port,
+                    "authorization": request.headers.get("authorization"),
                     "usage": usage,
                     "choices": [{"index": 0, "text": " tok" * n}],
                 }
@@ -135,6 +145,24 @@ def build(args) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": "tiny", "object": "model", "pod": args.port}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        state["requests"] += 1
+        try:
+            body = json.loads(await request.body())
+            ids = tok.encode(body["prompt"]).ids
+        except (ValueError, RecursionError, KeyError, TypeError) as exc:
+            return bad_request(f"bad request body: {type(exc).__name__}")
+        return {"tokens": ids, "count": len(ids), "pod": args.port}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        state["requests"] += 1
+        try:
+            return {"prompt": tok.decode(json.loads(await request.body())["tokens"])}
+        except (ValueError, RecursionError, KeyError, TypeError) as exc:
+            return bad_request(f"bad request body: {type(exc).__name__}")
+
     @app.get("/health")
     async def health():
         return Response(status_code=200)
@@ -157,6 +185,7 @@ def build(args) -> FastAPI:
             f"vllm:kv_cache_usage_perc{labels} {usage}",
             f"vllm:prefix_cache_queries_total{labels} {float(cache.queries)}",
             f"vllm:prefix_cache_hits_total{labels} {float(cache.hits)}",
+            f"standin:requests_total {float(state['requests'])}",
         ]
         return Response("\n".join(lines) + "\n", media_type="text/plain")
 
@@ -174,6 +203,7 @@ def main() -> None:
     p.add_argument("--prefill-s-per-block", type=float, default=0.002)
     p.add_argument("--token-s", type=float, default=0.01)
     p.add_argument("--fail-status", type=int, default=0)
+    p.add_argument("--hang-s", type=float, default=0.0)
     args = p.parse_args()
     time.sleep(0)
     uvicorn.run(build(args), host="127.0.0.1", port=args.port, log_level="warning")

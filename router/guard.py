@@ -1,0 +1,101 @@
+"""Plain ASGI guards in front of every route: the API key and the request-body limit.
+
+Plain ASGI on purpose: Starlette's ``BaseHTTPMiddleware`` would re-buffer every SSE
+stream through extra tasks and queues.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from epdserve.router.metrics import RouterMetrics
+from epdserve.router.proxy import openai_error
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapes need no key
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    return next((v for k, v in scope["headers"] if k.lower() == name), None)
+
+
+class ApiKeyCheck:
+    """Every route but the probe/scrape ones needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app, api_key: str, metrics: RouterMetrics) -> None:
+        self.app, self.key, self.metrics = app, api_key.encode(), metrics
+
+    def authorized(self, scope) -> bool:
+        header = _header(scope, b"authorization") or b""
+        scheme, _, token = header.partition(b" ")
+        # compare_digest runs in time independent of where the token differs
+        return hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            if not self.authorized(scope):
+                self.metrics.client_errors.labels("unauthorized").inc()
+                response = openai_error(
+                    401,
+                    "missing or invalid API key (Authorization: Bearer <key>)",
+                    "AuthenticationError",
+                    headers={"www-authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Answers 413 to a request body over ``max_bytes``, judged by Content-Length up front
+    and by counting while a chunked body arrives; never holds more than the limit.
+
+    The body is read here and replayed to the app, which buffers it whole anyway."""
+
+    def __init__(self, app, max_bytes: int, metrics: RouterMetrics) -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _reject(self, scope, receive, send) -> None:
+        self.metrics.client_errors.labels("body_too_large").inc()
+        response = openai_error(
+            413,
+            f"request body is larger than the router's limit of {self.max_bytes} bytes",
+            "RequestTooLargeError",
+            headers={"connection": "close"},  # the rest of the body is never read
+        )
+        await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # then the client's disconnect, as usual
+
+    return replayed
