@@ -104,3 +104,11 @@ def test_route_reads_the_salt_from_the_request_body(router, salt, matched):
     if salt is not None:
         body["cache_salt"] = salt
     assert router.route("/v1/completions", body).matched == {"a": matched}
+
+
+def test_prefill_and_decode_bodies_keep_the_salt():
+    from epdserve.router.disagg import prefill_body
+
+    assert (
+        prefill_body({"model": "tiny", "prompt": PROMPT, "cache_salt": "t1"})["cache_salt"] == "t1"
+    )
