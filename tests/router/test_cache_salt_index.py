@@ -106,7 +106,7 @@ def test_route_reads_the_salt_from_the_request_body(router, salt, matched):
     assert router.route("/v1/completions", body).matched == {"a": matched}
 
 
-def test_prefill_and_decode_bodies_keep_the_salt():
+def test_a_prefill_body_keeps_the_salt():
     from epdserve.router.disagg import prefill_body
 
     assert (
