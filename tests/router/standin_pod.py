@@ -143,6 +143,7 @@ def build(args) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        state["requests"] += 1
         return {"object": "list", "data": [{"id": "tiny", "object": "model", "pod": args.port}]}
 
     @app.post("/tokenize")

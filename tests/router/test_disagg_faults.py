@@ -1,0 +1,82 @@
+"""The retry policy of the real router's P/D orchestration, over STAND-IN pods.
+
+A prefill pod's own answer (4xx, 500) goes to the client and the decode pod never sees
+the request; a prefill pod that refuses it (503) is skipped and the decode pod computes
+the prompt itself. Plain requests of a P/D pool (models, tokenize, unparsable bodies)
+go to a decode pod."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def model_dir(models):
+    return models.get("llama")
+
+
+def flag(pod) -> str:
+    return f"{pod.url},events={pod.extra['events']},replay={pod.extra['replay']}"
+
+
+def pd_router(spawn, prefill, decode):
+    router = spawn.router(
+        [], "--prefill-endpoint", flag(prefill), "--decode-endpoint", flag(decode)
+    )
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.get(router.url + "/ready", timeout=2)
+        if r.status_code == 200 and r.json()["pods"] == 2:
+            return router
+        assert time.monotonic() < deadline, "router never became ready"
+        time.sleep(0.05)
+
+
+def requests(spawn, pod) -> float:
+    return spawn.metric(pod.url, "standin:requests_total")
+
+
+@pytest.mark.parametrize("status", [400, 500])
+def test_a_prefill_error_answer_goes_to_the_client_not_to_decode(spawn, model_dir, status):
+    prefill, decode = spawn.standin(model_dir, fail_status=status), spawn.standin(model_dir)
+    router = pd_router(spawn, prefill, decode)
+    r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == status and r.json() == {"error": "stand-in told to fail"}
+    assert requests(spawn, prefill) == 1 and requests(spawn, decode) == 0
+
+
+def test_a_prefill_pod_answering_503_leaves_the_prompt_to_decode(spawn, model_dir):
+    prefill, decode = spawn.standin(model_dir, fail_status=503), spawn.standin(model_dir)
+    router = pd_router(spawn, prefill, decode)
+    r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 200 and r.json()["pod"] == int(decode.url.rsplit(":", 1)[1])
+
+
+def test_a_decode_error_answer_is_returned_from_one_decode_pod(spawn, model_dir):
+    prefill, decode = spawn.standin(model_dir), spawn.standin(model_dir, fail_status=500)
+    router = pd_router(spawn, prefill, decode)
+    r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 500 and requests(spawn, decode) == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("GET", "/v1/models", None, 200),
+        ("POST", "/tokenize", b'{"prompt": "hi"}', 200),
+        ("POST", "/v1/completions", b"[1, 2]", 400),
+    ],
+)
+def test_plain_requests_of_a_pd_pool_go_to_a_decode_pod(
+    spawn, model_dir, method, path, body, status
+):
+    prefill, decode = spawn.standin(model_dir), spawn.standin(model_dir)
+    router = pd_router(spawn, prefill, decode)
+    r = httpx.request(method, router.url + path, content=body, timeout=10)
+    assert r.status_code == status, r.text
+    assert requests(spawn, prefill) == 0 and requests(spawn, decode) == 1
