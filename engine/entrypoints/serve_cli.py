@@ -76,6 +76,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_env("mm_processor_kwargs"),
         help="image-processor options as JSON, e.g. '{\"do_pan_and_scan\": true}'",
     )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=int(_env("max_logprobs", 20)),
+        help="most logprobs/top_logprobs/prompt_logprobs a request may ask for",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=int(_env("max_request_body_bytes", 32 << 20)),
+        help="larger request bodies are refused with 413",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        default=_env("limit_mm_per_prompt"),
+        help="most images per request as JSON, e.g. '{\"image\": 4}' (default 8)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=(_env("allowed_media_domains") or "").split(),
+        help="hosts whose http(s) image URLs may be fetched (default: none)",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=_env("allowed_local_media_path"),
+        help="file:// image URLs are read only below this directory (default: refused)",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=float(_env("media_fetch_timeout", 10.0)),
+        help="seconds an image fetch may take",
+    )
     p.add_argument("--log-level", default=_env("log_level", "info"))
 
 
@@ -110,6 +144,36 @@ def engine_config(args: argparse.Namespace):
     )
 
 
+def request_limits(args: argparse.Namespace):
+    """Per-request limits and image-loading limits from the flags."""
+    from epdserve.engine.entrypoints.openai.limits import RequestLimits
+    from epdserve.engine.multimodal.images import ImageLimits
+
+    if args.max_logprobs < 0:
+        raise ValueError(f"max_logprobs: must be non-negative, got {args.max_logprobs}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError("max_request_body_bytes: must be positive")
+    limit_mm = _json_flag(args.limit_mm_per_prompt, "limit_mm_per_prompt") or {}
+    if not isinstance(limit_mm, dict) or set(limit_mm) - {"image"}:
+        raise ValueError('limit_mm_per_prompt: expected JSON like {"image": 4}')
+    max_images = limit_mm.get("image", 8)
+    if not isinstance(max_images, int) or max_images < 0:
+        raise ValueError("limit_mm_per_prompt: image must be a non-negative integer")
+    if args.allowed_local_media_path and not os.path.isdir(args.allowed_local_media_path):
+        raise ValueError("allowed_local_media_path: not a directory")
+    limits = RequestLimits(
+        max_logprobs=args.max_logprobs,
+        max_body_bytes=args.max_request_body_bytes,
+        max_images=max_images,
+    )
+    images = ImageLimits(
+        allowed_hosts=frozenset(args.allowed_media_domains or ()),
+        fetch_timeout_s=args.media_fetch_timeout,
+        local_media_path=args.allowed_local_media_path or None,
+    )
+    return limits, images
+
+
 def _json_flag(text: str | None, name: str):
     if not text:
         return None
@@ -131,10 +195,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("epdserve serve: a MODEL directory is required (or EPDSERVE_MODEL)")
     try:
         config = engine_config(args)
+        limits, image_limits = request_limits(args)
     except ValueError as exc:
         raise SystemExit(f"epdserve serve: {exc}") from exc
     name = args.served_model_name or args.model
-    state = ServerState(config, name, args.api_key)
+    state = ServerState(config, name, args.api_key, limits, image_limits)
     uvicorn.run(
         build_app(state),
         host=args.host,

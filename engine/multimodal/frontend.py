@@ -6,7 +6,12 @@ import json
 from pathlib import Path
 
 from epdserve.engine.core.interfaces import MMFeature
-from epdserve.engine.multimodal.images import ImageLimits, LoadedImage, load_image_url
+from epdserve.engine.multimodal.images import (
+    ImageLimits,
+    LoadedImage,
+    load_image_url,
+    load_image_url_async,
+)
 from epdserve.engine.multimodal.processor import ImageProcessor
 from epdserve.engine.tokenizer import TokenizerInfo
 
@@ -27,12 +32,16 @@ class FrontendMultimodal:
         processor_kwargs: dict | None = None,
     ):
         self.limits = limits or ImageLimits()
+        self.max_images = max_images
         self.processor = ImageProcessor(
             model_dir, model_id, tokenizer, max_images=max_images, processor_kwargs=processor_kwargs
         )
 
     def load(self, url: str, where: str) -> LoadedImage:
         return load_image_url(url, self.limits, where)
+
+    async def load_async(self, url: str, where: str) -> LoadedImage:
+        return await load_image_url_async(url, self.limits, where)
 
     def process(
         self,

@@ -7,6 +7,9 @@ import asyncio
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from serving_support import API_KEY
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -26,7 +29,9 @@ def test_chat_completion_uses_the_chat_template(client, server):
         model="tiny", messages=messages, max_tokens=5, temperature=0
     )
     assert out.choices[0].message.role == "assistant"
-    tokenized = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    tokenized = httpx.post(
+        server.url + "/tokenize", json={"messages": messages}, headers=AUTH
+    ).json()
     assert out.usage.prompt_tokens == tokenized["count"]
     parts = [
         {
@@ -139,9 +144,11 @@ def test_models_tokenize_detokenize_version(server):
         server.url + "/v1/models", headers={"Authorization": "Bearer test-key"}
     ).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
-    tok = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
-    text = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    text = httpx.post(
+        server.url + "/detokenize", json={"tokens": tok["tokens"]}, headers=AUTH
+    ).json()["prompt"]
     assert text == PROMPT
     assert "version" in httpx.get(server.url + "/version").json()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 
@@ -23,33 +22,46 @@ from epdserve.engine.entrypoints.openai.errors import (
     from_value_error,
     validation_message,
 )
+from epdserve.engine.entrypoints.openai.limits import RequestLimits
+from epdserve.engine.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from epdserve.engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from epdserve.engine.entrypoints.openai.serving import OpenAIServing
+from epdserve.engine.entrypoints.openai.serving import OpenAIServing, new_request_id
 from epdserve.engine.metrics import EngineMetrics
 from epdserve.engine.multimodal.frontend import FrontendMultimodal, is_multimodal
+from epdserve.engine.multimodal.images import ImageLimits
 
 log = logging.getLogger("epdserve.server")
 
 
 class ServerState:
-    def __init__(self, config: EngineConfig, served_model_name: str, api_key: str | None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        served_model_name: str,
+        api_key: str | None,
+        limits: RequestLimits | None = None,
+        image_limits: ImageLimits | None = None,
+    ):
         self.config = config
         self.model_name = served_model_name
         self.api_key = api_key
         self.metrics = EngineMetrics(served_model_name)
         self.engine = AsyncLLM(config, self.metrics)
-        self.serving = OpenAIServing(self.engine, served_model_name)
+        limits = limits or RequestLimits()
+        self.serving = OpenAIServing(self.engine, served_model_name, limits)
         self.serving.role = config.role
         if is_multimodal(config.model):
             self.serving.multimodal = FrontendMultimodal(
                 config.model,
                 served_model_name,
                 self.engine.tokenizer,
+                limits=image_limits,
+                max_images=limits.max_images,
                 processor_kwargs=config.mm_processor_kwargs,
             )
         self.ready = False
@@ -85,7 +97,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="epdserve", version=__version__, lifespan=lifespan)
     app.state.server = state
     _install_error_handlers(app, state)
-    _install_auth(app, state)
+    _install_middleware(app, state)
     _install_routes(app, state)
     return app
 
@@ -104,6 +116,10 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
                 f"request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}",
                 "body",
             )
+        first = errors[0] if errors else {}
+        if first.get("type") == "value_error" and len(first.get("loc", ())) <= 1:
+            err = from_value_error(ValueError(str(first.get("ctx", {}).get("error", ""))))
+            return error_response(400, err.message, err.param)  # a whole-body check
         message, param = validation_message(errors)
         return error_response(400, message, param)
 
@@ -121,28 +137,10 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         return error_response(500, f"internal error ({type(exc).__name__})")
 
 
-def _install_auth(app: FastAPI, state: ServerState) -> None:
+def _install_middleware(app: FastAPI, state: ServerState) -> None:
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
-
-
-class APIKeyMiddleware:
-    """``/v1/*`` needs ``Authorization: Bearer <key>``. Plain ASGI: Starlette's
-    ``BaseHTTPMiddleware`` would re-stream every SSE chunk through extra tasks and queues."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            token = header[7:] if header[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
-                response = error_response(401, "Unauthorized: missing or invalid API key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.serving.limits.max_body_bytes)
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
@@ -188,16 +186,26 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         state.require_engine()
-        prep = serving.prepare_completion(req)
+        prep = await serving.prepare_completion(req)
         return await _respond(raw, prep, req)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
         state.require_engine()
-        prep = serving.prepare_chat(req)
+        prep = await serving.prepare_chat(req)
         return await _respond(raw, prep, req)
 
     async def _respond(raw: Request, prep, req):
+        base = raw.headers.get("x-request-id")
+        if base is not None:  # the client names the request (logs, fault injection in tests)
+            _check_request_id(base)
+            prep.request_id = new_request_id(prep.kind, base)
+            if prep.request_id in state.engine.states or f"{prep.request_id}-p0" in (
+                state.engine.states
+            ):
+                raise APIError(
+                    400, "X-Request-Id: a request with this id is in flight", "X-Request-Id"
+                )
         echo = bool(getattr(req, "echo", False))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -210,6 +218,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
+        return await asyncio.to_thread(_tokenize, req)
+
+    def _tokenize(req: TokenizeRequest) -> dict:
         if req.messages is not None:
             msgs = [
                 {
@@ -241,7 +252,15 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         serving.check_model(req.model)
         if any(t < 0 or t >= serving.tok.vocab_size for t in req.tokens):
             raise APIError(400, "tokens: ids must be within the vocabulary", "tokens")
-        return {"prompt": serving.tok.decode(req.tokens, skip_special_tokens=False)}
+        text = await asyncio.to_thread(serving.tok.decode, req.tokens, False)
+        return {"prompt": text}
+
+
+def _check_request_id(value: str) -> None:
+    if not 0 < len(value) <= 128 or not value.isprintable() or " " in value:
+        raise APIError(
+            400, "X-Request-Id: must be 1-128 printable characters without spaces", "X-Request-Id"
+        )
 
 
 async def _guard_stream(body):

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from epdserve.engine.entrypoints.openai.limits import find_surrogate
 from epdserve.engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class _ValidText(BaseModel):
+    """Refuses strings no tokenizer can take (JSON's lone surrogates), naming where."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = find_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where}: contains a lone surrogate, which is not valid Unicode")
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -14,7 +27,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_ValidText):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -79,6 +92,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
 
 class ImageURL(BaseModel):
@@ -113,7 +127,7 @@ class ChatCompletionRequest(_Common):
     mm_processor_kwargs: dict[str, Any] | None = None  # e.g. {"do_pan_and_scan": true}
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ValidText):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

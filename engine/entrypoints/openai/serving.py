@@ -11,6 +11,11 @@ import msgspec
 
 from epdserve.engine.async_llm import AsyncLLM
 from epdserve.engine.entrypoints.openai.errors import APIError, from_value_error
+from epdserve.engine.entrypoints.openai.limits import (
+    RequestLimits,
+    check_count,
+    check_sampling_fields,
+)
 from epdserve.engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from epdserve.engine.kv_transfer.params import validate_kv_transfer_params
 from epdserve.engine.multimodal.processor import check_processor_kwargs
@@ -30,17 +35,23 @@ class Prepared:
         self.kv_transfer_params: dict | None = None
         self.mm_features: list = []  # for the (single) chat prompt
         self.cache_salt: str | None = None  # tenant isolation (vLLM's cache_salt)
-        self.request_id = (
-            f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}"
-        )
+        self.request_id = new_request_id(kind)
         self.created = int(time.time())
 
 
+def new_request_id(kind: str, base: str | None = None) -> str:
+    """``cmpl-…``/``chatcmpl-…`` from the client's X-Request-Id, else random."""
+    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base or uuid.uuid4().hex[:16]}"
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str):
+    def __init__(
+        self, engine: AsyncLLM, served_model_name: str, limits: RequestLimits | None = None
+    ):
         self.engine = engine
         self.model_name = served_model_name
         self.tok = engine.tokenizer
+        self.limits = limits or RequestLimits()
         self.multimodal = None  # set for image+text models (FrontendMultimodal)
         self.role = "both"
 
@@ -52,8 +63,8 @@ class OpenAIServing:
                 "model",
             )
 
-    # --- preparation -----------------------------------------------------------------
-    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+    # --- preparation: cheap checks here, tokenizing/templating/images off the loop -----
+    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self.check_model(req.model)
         if self.role == "encoder":
             raise APIError(
@@ -61,55 +72,74 @@ class OpenAIServing:
             )
         if req.suffix is not None:
             raise APIError(400, "suffix: not supported", "suffix")
+        check_sampling_fields(req, self.limits, self.tok.vocab_size)
+        check_count(req.logprobs, self.limits.max_logprobs, "logprobs")
         raw = req.prompt
         if isinstance(raw, str) or raw and isinstance(raw[0], int):
             raw = [raw]
         if not raw:
             raise APIError(400, "prompt: must not be empty", "prompt")
+        if len(raw) > self.limits.max_prompts:
+            raise APIError(400, f"prompt: at most {self.limits.max_prompts} prompts", "prompt")
+        for item in raw:
+            if not isinstance(item, str) and any(t < 0 or t >= self.tok.vocab_size for t in item):
+                raise APIError(400, "prompt: token ids must be within the vocabulary", "prompt")
+        prompts, texts = await asyncio.to_thread(self._tokenize_prompts, raw)
+        return self._finish_prepare(req, prompts, texts, req.max_tokens, req.logprobs, "completion")
+
+    def _tokenize_prompts(self, raw: list) -> tuple[list[list[int]], list[str | None]]:
         prompts, texts = [], []
         for item in raw:
             ids = self.tok.encode(item) if isinstance(item, str) else list(item)
+            if not ids:
+                raise APIError(400, "prompt: must contain at least one token", "prompt")
             prompts.append(ids)
             texts.append(item if isinstance(item, str) else self.tok.decode(ids, False))
-        if any(t < 0 or t >= self.tok.vocab_size for p in prompts for t in p):
-            raise APIError(400, "prompt: token ids must be within the vocabulary", "prompt")
-        return self._finish_prepare(req, prompts, texts, req.max_tokens, req.logprobs, "completion")
+        return prompts, texts
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
-        messages, images = self._chat_messages(req)
-        if self.role == "encoder" and not images:
+        check_sampling_fields(req, self.limits, self.tok.vocab_size)
+        check_count(req.top_logprobs, self.limits.max_logprobs, "top_logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+        messages, urls = self._chat_messages(req)
+        if self.role == "encoder" and not urls:
             raise APIError(
                 400, "messages: an encoder pod serves requests with images only", "messages"
             )
         try:
-            text = self.tok.apply_chat_template(
-                messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
-            )
-            features = []
-            if req.mm_processor_kwargs is not None and self.multimodal is None:
-                raise ValueError("mm_processor_kwargs: this model takes no image inputs")
-            if images:
-                ids, features = self.multimodal.process(
-                    text, images, processor_kwargs=req.mm_processor_kwargs
-                )
-            elif req.mm_processor_kwargs is not None:
-                check_processor_kwargs(req.mm_processor_kwargs)
-            else:
-                ids = self.tok.encode(text, add_special_tokens=False)
+            images = await asyncio.gather(*(self.multimodal.load_async(u, w) for u, w in urls))
+            text, ids, features = await asyncio.to_thread(self._render_chat, req, messages, images)
         except ValueError as exc:
             raise from_value_error(exc) from exc
+        if not ids:
+            raise APIError(400, "messages: the rendered prompt has no tokens", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         prep = self._finish_prepare(req, [ids], [text], max_tokens, logprobs, "chat")
         prep.mm_features = features
         return prep
 
+    def _render_chat(self, req: ChatCompletionRequest, messages: list[dict], images: list):
+        """Chat template, tokens and image features (in a worker thread)."""
+        text = self.tok.apply_chat_template(
+            messages, req.add_generation_prompt, **(req.chat_template_kwargs or {})
+        )
+        if req.mm_processor_kwargs is not None and self.multimodal is None:
+            raise ValueError("mm_processor_kwargs: this model takes no image inputs")
+        if images:
+            ids, features = self.multimodal.process(
+                text, images, processor_kwargs=req.mm_processor_kwargs
+            )
+            return text, ids, features
+        if req.mm_processor_kwargs is not None:
+            check_processor_kwargs(req.mm_processor_kwargs)
+        return text, self.tok.encode(text, add_special_tokens=False), []
+
     def _chat_messages(self, req: ChatCompletionRequest) -> tuple[list[dict], list]:
-        """Template-ready messages, and the images of their image parts in order."""
-        messages, images = [], []
+        """Template-ready messages, and ``(url, part name)`` of their image parts in order."""
+        messages, urls = [], []
         for i, message in enumerate(req.messages):
             content = message.content
             if isinstance(content, list):
@@ -125,14 +155,17 @@ class OpenAIServing:
                         )
                     if part.image_url is None:
                         raise APIError(400, f"{where}: an image part needs image_url.url", where)
-                    try:
-                        images.append(self.multimodal.load(part.image_url.url, where))
-                    except ValueError as exc:
-                        raise from_value_error(exc) from exc
+                    urls.append((part.image_url.url, where))
+                    if len(urls) > self.multimodal.max_images:
+                        raise APIError(
+                            400,
+                            f"{where}: at most {self.multimodal.max_images} images per request",
+                            where,
+                        )
                     parts.append({"type": "image"})
-                content = parts if images else "".join(p.get("text", "") for p in parts)
+                content = parts if urls else "".join(p.get("text", "") for p in parts)
             messages.append({"role": message.role, "content": content or ""})
-        return messages, images
+        return messages, urls
 
     def _finish_prepare(self, req, prompts, texts, max_tokens, logprobs, kind) -> Prepared:
         limit = self.engine.max_model_len

@@ -1,0 +1,68 @@
+"""Plain ASGI middlewares of the engine's API server (Starlette's ``BaseHTTPMiddleware``
+would re-stream every SSE chunk through extra tasks and queues)."""
+
+from __future__ import annotations
+
+import hmac
+
+from epdserve.engine.entrypoints.openai.errors import error_response
+
+PROTECTED = ("/v1", "/tokenize", "/detokenize")  # probes, /metrics and /version stay open
+
+
+class APIKeyMiddleware:
+    """The API routes need ``Authorization: Bearer <key>`` (constant-time compare)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            token = header[7:] if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                response = error_response(401, "Unauthorized: missing or invalid API key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    """Raised from ``receive`` once a body passes the limit (answered 413)."""
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: at once from Content-Length, else (chunked) as
+    soon as the bytes read pass the limit, so an endless body is never buffered."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self):
+        return error_response(413, f"request body is larger than {self.max_bytes} bytes", "body")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._too_large()(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except BodyTooLarge:
+            await self._too_large()(scope, receive, send)
