@@ -92,7 +92,11 @@ def test_encoder_outputs_flow_from_encoder_to_prefill_and_decode():
     assert engine.ec_transfer_config(pool, "encoder") == {
         "ec_connector": "SharedStorageECConnector",
         "ec_role": "ec_producer",
-        "ec_connector_extra_config": {"path": "/cache/ec", "pool": "gemma3-epd"},
+        "ec_connector_extra_config": {
+            "path": "/cache/ec",
+            "pool": "gemma3-epd",
+            "max_bytes": 45 << 30,  # a quarter of the example's 180Gi cap
+        },
     }
     assert engine.ec_transfer_config(pool, "decode")["ec_role"] == "ec_consumer"
     assert engine.kv_transfer_config(pool, "encoder") is None
@@ -102,6 +106,7 @@ def test_encoder_outputs_flow_from_encoder_to_prefill_and_decode():
     assert json.loads(config["kv-transfer-prefill.json"])["kv_connector_extra_config"] == {
         "path": "/cache/kv",
         "pool": "gemma3-epd",
+        "max_bytes": 135 << 30,  # the other three quarters
     }
 
 
