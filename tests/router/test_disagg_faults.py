@@ -24,14 +24,15 @@ def flag(pod) -> str:
     return f"{pod.url},events={pod.extra['events']},replay={pod.extra['replay']}"
 
 
-def pd_router(spawn, prefill, decode):
-    router = spawn.router(
-        [], "--prefill-endpoint", flag(prefill), "--decode-endpoint", flag(decode)
-    )
+def pd_router(spawn, prefill, decode, encoder=None):
+    flags = ["--prefill-endpoint", flag(prefill), "--decode-endpoint", flag(decode)]
+    if encoder is not None:
+        flags += ["--encoder-endpoint", flag(encoder)]
+    router = spawn.router([], *flags)
     deadline = time.monotonic() + 20
     while True:
         r = httpx.get(router.url + "/ready", timeout=2)
-        if r.status_code == 200 and r.json()["pods"] == 2:
+        if r.status_code == 200 and r.json()["pods"] == len(flags) // 2:
             return router
         assert time.monotonic() < deadline, "router never became ready"
         time.sleep(0.05)
@@ -80,3 +81,36 @@ def test_plain_requests_of_a_pd_pool_go_to_a_decode_pod(
     r = httpx.request(method, router.url + path, content=body, timeout=10)
     assert r.status_code == status, r.text
     assert requests(spawn, prefill) == 0 and requests(spawn, decode) == 1
+
+
+IMAGE_CHAT = {
+    "model": "tiny",
+    "max_tokens": 2,
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "text", "text": "what is this?"},
+            ],
+        }
+    ],
+}
+
+
+def test_an_encoder_error_answer_goes_to_the_client(spawn, model_dir):
+    encoder = spawn.standin(model_dir, fail_status=500)
+    prefill, decode = spawn.standin(model_dir), spawn.standin(model_dir)
+    router = pd_router(spawn, prefill, decode, encoder)
+    r = httpx.post(router.url + "/v1/chat/completions", json=IMAGE_CHAT, timeout=10)
+    assert r.status_code == 500 and requests(spawn, encoder) == 1
+    assert requests(spawn, prefill) == 0 and requests(spawn, decode) == 0
+
+
+def test_an_encoder_answering_503_is_skipped(spawn, model_dir):
+    encoder = spawn.standin(model_dir, fail_status=503)
+    prefill, decode = spawn.standin(model_dir), spawn.standin(model_dir)
+    router = pd_router(spawn, prefill, decode, encoder)
+    r = httpx.post(router.url + "/v1/chat/completions", json=IMAGE_CHAT, timeout=10)
+    assert r.status_code == 200, r.text
+    assert requests(spawn, encoder) == 1 and requests(spawn, decode) == 1
