@@ -36,7 +36,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *extra: str, api_key: str | None = API_KEY):
+    def __init__(
+        self, model: str, *extra: str, api_key: str | None = API_KEY, env: dict | None = None
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -59,7 +61,7 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.api_key = api_key
         self.proc = subprocess.Popen(
-            cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True
+            cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, start_new_session=True
         )
         self.wait_ready()
 

@@ -10,6 +10,7 @@ TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -44,10 +45,19 @@ def from_value_error(exc: ValueError) -> APIError:
     return APIError(400, message, param)
 
 
+# pydantic names the union member it tried ("str", "list[int]", "function-after[...]")
+_UNION_TAG = re.compile(r"(str|int|float|bool|none|[\w-]+\[.*\])")
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """A readable message naming the first invalid field of a pydantic error list."""
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = ""
+    for part in first.get("loc", ()):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part != "body" and not _UNION_TAG.fullmatch(str(part)):
+            param += f".{part}" if param else str(part)
+    param = param or None
     where = f"'{param}'" if param else "request body"
     return f"{where}: {first.get('msg', 'invalid value')}", param

@@ -28,13 +28,10 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class BodyTooLarge(Exception):
-    """Raised from ``receive`` once a body passes the limit (answered 413)."""
-
-
 class BodyLimitMiddleware:
-    """413 for bodies over ``max_bytes``: at once from Content-Length, else (chunked) as
-    soon as the bytes read pass the limit, so an endless body is never buffered."""
+    """413 for bodies over ``max_bytes``: at once from Content-Length; a body without one
+    (chunked) is read here first, and refused as soon as it passes the limit, so an
+    endless body is never buffered past it."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -44,25 +41,36 @@ class BodyLimitMiddleware:
         return error_response(413, f"request body is larger than {self.max_bytes} bytes", "body")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await self._too_large()(scope, receive, send)
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
             return
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge
-            return message
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except BodyTooLarge:
-            await self._too_large()(scope, receive, send)
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # disconnect notices, as the server sends them
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
