@@ -21,11 +21,15 @@ def transfer_config(connector: str, role: str, extra: dict) -> str:
 class PDPods:
     """``prefill`` (kv_producer) and ``decode`` (kv_consumer) pods sharing one store."""
 
-    def __init__(self, model: str, connector: str, extra: dict):
+    def __init__(self, model: str, connector: str, extra: dict, env: dict | None = None):
         self.prefill = self.decode = None
         try:
-            self.prefill = _pod(model, "prefill", transfer_config(connector, "kv_producer", extra))
-            self.decode = _pod(model, "decode", transfer_config(connector, "kv_consumer", extra))
+            self.prefill = _pod(
+                model, "prefill", transfer_config(connector, "kv_producer", extra), env
+            )
+            self.decode = _pod(
+                model, "decode", transfer_config(connector, "kv_consumer", extra), env
+            )
         except Exception:
             self.stop()
             raise
@@ -46,9 +50,17 @@ class PDPods:
                 pod.stop()
 
 
-def _pod(model: str, role: str, config: str) -> ServerProcess:
+def _pod(model: str, role: str, config: str, env: dict | None = None) -> ServerProcess:
     return ServerProcess(
-        model, "--role", role, "--kv-transfer-config", config, "--hash-seed", SEED, api_key=None
+        model,
+        "--role",
+        role,
+        "--kv-transfer-config",
+        config,
+        "--hash-seed",
+        SEED,
+        api_key=None,
+        env=env,
     )
 
 
