@@ -2,3 +2,4 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))  # serving_support
+sys.path.insert(0, str(Path(__file__).parent))  # shared pool helpers

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import httpx
+from serving_support import API_KEY
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BIG = 60 << 20  # over every default body limit (32 MiB)
 
 
@@ -97,3 +101,19 @@ TABLE = [
     Hostile("detokenizing ids past the vocabulary", {"tokens": [10**12]}, path="/detokenize"),
     Hostile("tokenizing a lone surrogate", raw=b'{"prompt": "\\ud800"}', path="/tokenize"),
 ]
+
+
+def send(url: str, case: Hostile) -> httpx.Response:
+    headers = {**AUTH, **case.headers}
+    if case.raw is not None:
+        headers["content-type"] = "application/json"
+        return httpx.post(url + case.path, content=case.raw, headers=headers, timeout=60)
+    return httpx.post(url + case.path, json=case.body, headers=headers, timeout=60)
+
+
+def check(resp: httpx.Response, case: Hostile) -> None:
+    assert resp.status_code == case.status, f"{case.name}: {resp.status_code} {resp.text[:300]}"
+    error = resp.json()["error"]
+    assert error["message"] and error["type"] and error["code"] == case.status, case.name
+    if case.param is not None:
+        assert error["param"] == case.param, f"{case.name}: {error}"

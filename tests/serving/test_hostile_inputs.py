@@ -8,10 +8,8 @@ import sys
 
 import httpx
 import pytest
-from hostile_inputs import TABLE, Hostile
-from serving_support import API_KEY, free_port, wait_ready
-
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
+from hostile_inputs import AUTH, TABLE, check, send
+from serving_support import free_port, wait_ready
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +29,6 @@ def router(server, models, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-def send(url: str, case: Hostile) -> httpx.Response:
-    headers = {**AUTH, **case.headers}
-    if case.raw is not None:
-        headers["content-type"] = "application/json"
-        return httpx.post(url + case.path, content=case.raw, headers=headers, timeout=60)
-    return httpx.post(url + case.path, json=case.body, headers=headers, timeout=60)
-
-
-def check(resp: httpx.Response, case: Hostile) -> None:
-    assert resp.status_code == case.status, f"{case.name}: {resp.status_code} {resp.text[:300]}"
-    error = resp.json()["error"]
-    assert error["message"] and error["type"] and error["code"] == case.status, case.name
-    if case.param is not None:
-        assert error["param"] == case.param, f"{case.name}: {error}"
 
 
 def still_serves(server, core_pid: int) -> None:
