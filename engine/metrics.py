@@ -136,6 +136,10 @@ class EngineMetrics:
             "epdserve:kv_load_failures",
             "KV blocks a connector failed to load (recomputed instead).",
         )
+        self.kv_save_failures = c(
+            "epdserve:kv_save_failures",
+            "KV blocks a connector could not store (store full, down or read-only).",
+        )
         self.failed_steps = c(
             "epdserve:engine_failed_steps",
             "Engine-core steps that raised; their requests were isolated and retried.",
@@ -183,6 +187,7 @@ class EngineMetrics:
         self.encoder_runs.inc(max(0, stats.encoder_runs - last.encoder_runs))
         self.encoder_loads.inc(max(0, stats.encoder_loads - last.encoder_loads))
         self.failed_steps.inc(max(0, stats.failed_steps - last.failed_steps))
+        self.kv_save_failures.inc(max(0, stats.kv_save_failures - last.kv_save_failures))
         now = stats.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
         then = last.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
         for source, a, b in zip(PROMPT_SOURCES, now, then, strict=True):

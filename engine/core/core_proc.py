@@ -124,6 +124,7 @@ class CoreLoop:
             stats.encoder_runs,
             stats.encoder_loads,
             stats.failed_steps,
+            stats.kv_save_failures,
         )
 
     def _send(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None = None) -> None:

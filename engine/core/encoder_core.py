@@ -5,14 +5,19 @@ answering with the identifiers it stored."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from epdserve.connectors.ec_connector import create_ec_connector
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.interfaces import EngineCoreOutput, SchedulerStats
+from epdserve.engine.core.step_guard import maybe_fail
 from epdserve.engine.kv_transfer.setup import encoder_fingerprint
 from epdserve.engine.models.loader import load_vision_encoder
 from epdserve.engine.worker.mm_inputs import EncoderOutputs
+
+log = logging.getLogger("epdserve.core")
 
 
 class EncoderCore:
@@ -34,10 +39,17 @@ class EncoderCore:
         self.max_model_len = 1 << 20
         self.num_blocks = 0
         self.step_count = 0
+        self.failed_steps = 0
 
     def add_request(self, req) -> None:
         if not req.mm_features:
             raise ValueError("prompt: an encoder pod serves requests with images only")
+        for i, f in enumerate(req.mm_features):
+            numel = 1
+            for d in f.shape:
+                numel *= d
+            if f.dtype != "float32" or len(f.shape) != 3 or len(f.data) != 4 * numel:
+                raise ValueError(f"mm_features[{i}]: pixel buffer does not match shape {f.shape}")
         self.pending[req.request_id] = req
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -49,21 +61,51 @@ class EncoderCore:
 
     def step(self) -> list[EngineCoreOutput]:
         reqs, self.pending = list(self.pending.values()), {}
+        self.step_count += 1
+        try:
+            self._encode(reqs)
+            return [self._done(r) for r in reqs]
+        except Exception as exc:  # one bad image must not fail the batch: retry one by one
+            self.failed_steps += 1
+            log.error(
+                "encoding a batch of %d requests failed; retrying each", len(reqs), exc_info=exc
+            )
+        outputs = []
+        for r in reqs:
+            try:
+                self._encode([r])
+                outputs.append(self._done(r))
+            except Exception as exc:
+                log.error("request %s failed", r.request_id, exc_info=exc)
+                outputs.append(
+                    EngineCoreOutput(
+                        r.request_id,
+                        [],
+                        finish_reason="abort",
+                        error="the engine failed while serving this request "
+                        f"({type(exc).__name__}: {exc})",
+                    )
+                )
+        return outputs
+
+    def _encode(self, reqs: list) -> None:
+        maybe_fail("execute", [r.request_id for r in reqs])
         features = {f.identifier: f for r in reqs for f in r.mm_features}
         stored = self.ec_connector.stored(list(features))
         todo = [f for f, found in zip(features.values(), stored, strict=True) if not found]
-        self.outputs.encode(todo)  # saves through the connector
-        self.outputs.free([f.identifier for f in todo])  # the store keeps them, not this pod
-        self.step_count += 1
-        return [
-            EngineCoreOutput(
-                r.request_id,
-                [],
-                finish_reason="stop",
-                ec_transfer_params={"mm_ids": [f.identifier for f in r.mm_features]},
-            )
-            for r in reqs
-        ]
+        try:
+            self.outputs.encode(todo)  # saves through the connector
+        finally:
+            self.outputs.free([f.identifier for f in todo])  # the store keeps them, not us
+
+    @staticmethod
+    def _done(r) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            r.request_id,
+            [],
+            finish_reason="stop",
+            ec_transfer_params={"mm_ids": [f.identifier for f in r.mm_features]},
+        )
 
     def take_events(self) -> list:
         return []
@@ -73,6 +115,7 @@ class EncoderCore:
             num_waiting=len(self.pending),
             num_steps=self.step_count,
             encoder_runs=self.outputs.num_runs,
+            failed_steps=self.failed_steps,
         )
 
     def close(self) -> None:

@@ -239,6 +239,10 @@ class EngineCore:
             stats.mm_queries, stats.mm_hits = s.encoder.cache.queries, s.encoder.cache.hits
             stats.encoder_runs = self.runner.encoder_outputs.num_runs
             stats.encoder_loads = self.runner.encoder_outputs.num_loads
+        for connector in self.kv_connectors:  # the worker side's transfer counters
+            transfer = getattr(getattr(connector, "kv_io", None), "stats", None)
+            if transfer is not None:
+                stats.kv_save_failures += transfer.save_failures
         if s.kv_transfer is not None:
             stats.external_queries = s.kv_transfer.queries
             stats.external_hits = s.kv_transfer.hits

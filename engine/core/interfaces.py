@@ -107,6 +107,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     encoder_runs: int = 0  # images the vision encoder actually encoded
     encoder_loads: int = 0  # images loaded from the shared encoder-output store
     failed_steps: int = 0  # steps whose execution raised (contained by the step guard)
+    kv_save_failures: int = 0  # KV blocks a connector could not store (full, down, read-only)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

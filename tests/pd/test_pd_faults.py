@@ -107,7 +107,9 @@ def test_a_read_only_volume_still_serves_stored_blocks_and_recomputes_the_rest(
     stored_params = prefill(shared_pods, stored)
     undo = read_only(str(shared_pods.volume))
     try:
-        fresh_params = prefill(shared_pods, fresh)  # its saves fail softly
+        save_failures = shared_pods.prefill.metric("epdserve:kv_save_failures_total")
+        fresh_params = prefill(shared_pods, fresh)  # its saves fail softly, counted
+        assert shared_pods.prefill.metric("epdserve:kv_save_failures_total") > save_failures
         assert_recomputed(shared_pods, colocated, fresh, fresh_params, num_loaded=0)
         loaded = loadable_tokens(stored) // BLOCK
         assert_recomputed(shared_pods, colocated, stored, stored_params, num_loaded=loaded)

@@ -1,0 +1,59 @@
+"""An encoder pod's core: one request that fails to encode fails alone; a pixel buffer that
+does not match its shape is refused at the door."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.core.encoder_core import EncoderCore
+from epdserve.engine.core.engine_core import EngineCoreRequest
+from epdserve.engine.multimodal.frontend import FrontendMultimodal
+from epdserve.engine.multimodal.images import LoadedImage
+from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.tokenizer import TokenizerInfo
+
+
+@pytest.fixture(scope="module")
+def encoder(models, tmp_path_factory):
+    model = str(models.get("gemma3"))
+    extra = {"path": str(tmp_path_factory.mktemp("ec"))}
+    ec = {"ec_connector": "SharedStorageECConnector", "ec_role": "ec_producer"}
+    config = EngineConfig(
+        model=model,
+        role="encoder",
+        ec_transfer_config=json.dumps({**ec, "ec_connector_extra_config": extra}),
+    )
+    frontend = FrontendMultimodal(model, "tiny", TokenizerInfo(model))
+    return EncoderCore(config), frontend
+
+
+def request(frontend, req_id: str, color) -> EngineCoreRequest:
+    from PIL import Image
+
+    image = Image.new("RGB", (40, 30), color)
+    prompt = f"look {frontend.processor.boi_token} here"
+    ids, features = frontend.process(prompt, [LoadedImage(image, image.tobytes())])
+    return EngineCoreRequest(req_id, ids, SamplingParams(max_tokens=1), mm_features=features)
+
+
+def test_a_failing_request_on_an_encoder_pod_fails_alone(encoder, monkeypatch):
+    core, frontend = encoder
+    monkeypatch.setenv("EPDSERVE_INJECT_FAULT", "execute:poison")
+    for i, color in enumerate([(200, 0, 0), (0, 200, 0), (0, 0, 200)]):
+        core.add_request(request(frontend, "poison-1" if i == 1 else f"ok-{i}", color))
+    outputs = {o.request_id: o for o in core.step()}
+    assert "injected fault" in outputs["poison-1"].error
+    for req_id in ("ok-0", "ok-2"):
+        assert outputs[req_id].error is None and outputs[req_id].ec_transfer_params["mm_ids"]
+    assert core.stats().failed_steps == 1 and not core.has_unfinished_requests()
+
+
+def test_a_pixel_buffer_that_does_not_match_its_shape_is_refused(encoder):
+    core, frontend = encoder
+    req = request(frontend, "short", (5, 5, 5))
+    req.mm_features[0].data = req.mm_features[0].data[:-4]
+    with pytest.raises(ValueError, match="mm_features\\[0\\]"):
+        core.add_request(req)
