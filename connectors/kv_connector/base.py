@@ -98,6 +98,11 @@ class KVConnectorBase(ABC):
         until ``finished_sending`` names it, and what to hand the next pod (None: nothing).
         Forgets the request."""
 
+    def step_failed(self, metadata: KVConnectorMetadata) -> None:  # noqa: B027
+        """The step that carried ``metadata`` never ran its forward: the blocks its saves
+        name were not computed. Forget having planned them (they are planned again when the
+        request is recomputed). Its loads are handed to the worker with the next step."""
+
     # --- worker side ----------------------------------------------------------------
     @abstractmethod
     def register_kv_caches(self, kv_cache: Any) -> None:

@@ -200,6 +200,11 @@ class StorageConnector(KVConnectorBase):
         self._has_saves.add(rid)
         return BlockTransfer(rid, block_ids[start:num_full], request.block_hashes[start:num_full])
 
+    def step_failed(self, metadata: KVConnectorMetadata) -> None:
+        for t in metadata.saves:
+            if t.req_id in self._saved_upto:
+                self._saved_upto[t.req_id] -= len(t.block_hashes)
+
     def request_finished(
         self, request: KVRequest, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -45,11 +45,7 @@ class EncoderCore:
         if not req.mm_features:
             raise ValueError("prompt: an encoder pod serves requests with images only")
         for i, f in enumerate(req.mm_features):
-            numel = 1
-            for d in f.shape:
-                numel *= d
-            if f.dtype != "float32" or len(f.shape) != 3 or len(f.data) != 4 * numel:
-                raise ValueError(f"mm_features[{i}]: pixel buffer does not match shape {f.shape}")
+            f.check_buffer(i)
         self.pending[req.request_id] = req
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -179,11 +179,7 @@ class EngineCore:
                     f"mm_features[{i}]: placeholder [{f.offset}, {f.end}) does not "
                     f"fit a {n}-token prompt with {expected} tokens per image"
                 )
-            numel = 1
-            for d in f.shape:
-                numel *= d
-            if f.dtype != "float32" or len(f.data) != 4 * numel or len(f.shape) != 3:
-                raise ValueError(f"mm_features[{i}]: pixel buffer does not match shape {f.shape}")
+            f.check_buffer(i)
         return list(req.mm_features)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -24,6 +24,16 @@ class MMFeature(msgspec.Struct, array_like=True):
     def end(self) -> int:
         return self.offset + self.length
 
+    def check_buffer(self, index: int) -> None:
+        """Refuse pixels whose bytes do not fill their shape (``ValueError`` naming it)."""
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        if self.dtype != "float32" or len(self.shape) != 3 or len(self.data) != 4 * numel:
+            raise ValueError(
+                f"mm_features[{index}]: pixel buffer does not match shape {self.shape}"
+            )
+
 
 class NewRequestData(msgspec.Struct, array_like=True):
     """A request the runner has not seen (or must rebuild after preemption)."""

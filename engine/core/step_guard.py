@@ -49,12 +49,18 @@ def roll_back(scheduler, sched: SchedulerOutput) -> None:
     """Undo a step whose execution raised: its requests are preempted, and the blocks they
     named in the prefix cache for this step are forgotten (their KV may never have been
     written)."""
+    if scheduler.kv_transfer is not None:  # first: preempting asks who is still saving
+        scheduler.kv_transfer.step_failed(sched.kv_connector_metadata)
     for req_id, n in sched.num_scheduled_tokens.items():
         request = scheduler.requests.get(req_id)
         if request is None or request.status != RequestStatus.RUNNING:
             continue
         scheduler.kv.forget_uncomputed(request, request.num_computed_tokens - n)
         scheduler.preempt(request)
+    # what the runner was to be told this step it is told with the next one
+    scheduler.finished_req_ids.update(sched.finished_req_ids)
+    if scheduler.encoder is not None:
+        scheduler.encoder.cache.freed.extend(sched.free_encoder_ids)
 
 
 class StepGuard:

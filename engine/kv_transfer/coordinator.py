@@ -47,6 +47,8 @@ class KVTransferCoordinator:
         self.can_load = can_load
         self.loading: dict[str, tuple[Request, int]] = {}  # req -> (request, external tokens)
         self.saving: set[str] = set()  # requests with saves not yet reported done
+        self.carried_loads: list = []  # loads of a failed step, for the next one
+        self.newly_saving: set[str] = set()  # requests the last metadata added to ``saving``
         self.held_blocks: dict[str, list[GroupBlocks]] = {}
         self.held_outputs: dict[str, EngineCoreOutput] = {}
         self.queries = 0  # tokens looked up
@@ -90,8 +92,23 @@ class KVTransferCoordinator:
 
     def build_meta(self, scheduled: list[ScheduledRequest]) -> KVConnectorMetadata:
         meta = self.connector.build_connector_meta(scheduled)
-        self.saving.update(t.req_id for t in meta.saves)
+        if self.carried_loads:  # loads of a failed step, started now
+            meta.loads = self.carried_loads + meta.loads
+            self.carried_loads = []
+        self.newly_saving = {t.req_id for t in meta.saves} - self.saving
+        self.saving |= self.newly_saving
         return meta
+
+    def step_failed(self, meta: KVConnectorMetadata | None) -> None:
+        """The step carrying ``meta`` (the last one built) raised before its forward
+        finished: its saves are dropped (their blocks were never computed), so requests
+        whose only saves they were are not waited for; its loads go out with the next step
+        (a load the worker had already started is started again: same blocks, same bytes)."""
+        if meta is not None:
+            self.connector.step_failed(meta)
+            self.carried_loads.extend(meta.loads)
+            self.saving -= self.newly_saving
+            self.newly_saving = set()
 
     # --- after the step -------------------------------------------------------------------
     def update(self, out: KVConnectorOutput | None) -> tuple[list[Request], list]:
