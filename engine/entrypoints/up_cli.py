@@ -132,9 +132,11 @@ def start_redis(pool: Pool) -> str:
 
 
 def redis_command(binary: str, port: int, workdir) -> list[str]:
-    """A throwaway local redis-server: loopback only, no persistence."""
+    """A throwaway local redis-server: loopback only, no persistence, bounded like the
+    operator's managed one (1 GiB, least recently used keys go first)."""
     return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-            "no", "--dir", str(workdir)]  # fmt: skip
+            "no", "--dir", str(workdir), "--maxmemory", "1gb",
+            "--maxmemory-policy", "allkeys-lru"]  # fmt: skip
 
 
 def start_engine(pool: Pool, args, model: str, name: str, role: str, extra: list[str]) -> str:
