@@ -64,9 +64,12 @@ class Scheduler:
         done = []
         for req_id in request_ids:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished:
+            if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
+            if request.is_finished:  # finished but not yet freed: an update failed midway
+                if request in self.running:
+                    self.running.remove(request)
+            elif request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.waiting.remove(request)

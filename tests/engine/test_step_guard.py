@@ -99,3 +99,24 @@ def test_a_lone_request_that_fails_is_failed_at_once(reference, monkeypatch):
     assert list(errors) == ["req-0"] and tokens["req-0"] == []
     assert core.stats().failed_steps == 1
     assert_clean(core)
+
+
+def test_an_update_that_fails_after_its_request_finished_still_frees_it(reference, monkeypatch):
+    """``make_output`` runs after the stop check: the request is finished, still running and
+    holding blocks when it raises; failing it must free them."""
+    from epdserve.engine.core import scheduler as scheduler_module
+
+    path, prompts, expected = reference
+    real = scheduler_module.make_output
+
+    def flaky(request, *args):
+        if request.request_id == "req-2" and request.is_finished:
+            raise RuntimeError("output construction failed")
+        return real(request, *args)
+
+    monkeypatch.setattr(scheduler_module, "make_output", flaky)
+    core = make_core(path)
+    tokens, errors = run(core, prompts)
+    assert list(errors) == ["req-2"] and "output construction failed" in errors["req-2"]
+    assert all(tokens[r] == expected[r] for r in prompts if r != "req-2")
+    assert_clean(core)
