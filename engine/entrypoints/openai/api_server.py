@@ -65,34 +65,33 @@ class ServerState:
                 processor_kwargs=config.mm_processor_kwargs,
             )
         self.ready = False
-        self.start_error: str | None = None
         self.created = int(time.time())
 
     async def start(self) -> None:
         try:
             await self.engine.start()
-            self.ready = True
-            self.metrics.engine_up.set(1)
-            log.info("ready: serving %s", self.model_name)
-        except Exception as exc:  # reported through /health and /ready
-            self.start_error = str(exc)
+        except Exception:
             log.exception("engine failed to start")
+            await self.engine.shutdown()
+            raise
+        self.ready = True
+        self.metrics.engine_up.set(1)
+        log.info("ready: serving %s", self.model_name)
 
     def require_engine(self) -> None:
-        if self.engine.dead or self.start_error:
-            raise APIError(503, f"engine unavailable: {self.engine.dead or self.start_error}")
-        if not self.ready:
-            raise APIError(503, "engine is still starting")
+        if self.engine.dead:
+            raise APIError(503, f"engine unavailable: {self.engine.dead}")
 
 
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(state.start())
+        # As vLLM: the port opens only once the engine can serve (uvicorn binds after the
+        # lifespan starts), so /health never says 200 before a request could succeed; an
+        # engine that cannot start ends the process (the pod restarts).
+        await state.start()
         yield
-        task.cancel()
-        if state.ready:
-            await state.engine.shutdown()
+        await state.engine.shutdown()
 
     app = FastAPI(title="epdserve", version=__version__, lifespan=lifespan)
     app.state.server = state
@@ -148,7 +147,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health():
-        if state.engine.dead or state.start_error:
+        if state.engine.dead:
             return Response(status_code=503)
         return Response(status_code=200)
 
