@@ -10,6 +10,9 @@ from epdserve.router.loadstats import parse_load
 from epdserve.router.pods import PodEndpoint
 from epdserve.router.strategy import Candidate, Decision, make_strategy
 
+# the reference captures live beside the checkout: <project root>/../shared/testdata
+CAPTURES = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "vllm-0.32"
+
 
 def cand(name, load=0.0, kv=0.0, matched=0, total=10):
     return Candidate(name, load, kv, matched, total)
@@ -62,7 +65,7 @@ def test_unknown_strategy_is_rejected_by_name():
 
 
 def test_parse_load_reads_vllms_gauges():
-    capture = Path("/work/shared/testdata/vllm-0.32/metrics.txt")
+    capture = CAPTURES / "metrics.txt"
     if not capture.exists():
         pytest.skip("vLLM capture not present")
     load = parse_load(capture.read_text())

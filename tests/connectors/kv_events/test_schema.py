@@ -20,7 +20,9 @@ from epdserve.connectors.kv_events import (
     binds,
 )
 
-CAPTURE = Path("/work/shared/testdata/vllm-0.32/events")
+# the reference captures live beside the checkout: <project root>/../shared/testdata
+ROOT = Path(__file__).resolve().parents[3]
+CAPTURE = ROOT.parent / "shared" / "testdata" / "vllm-0.32" / "events"
 FRAMES = sorted(CAPTURE.glob("seq-*.bin"))
 needs_capture = pytest.mark.skipif(not FRAMES, reason="vLLM capture not present")
 
