@@ -21,7 +21,11 @@ from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.core.step_guard import StepGuard, maybe_fail
 from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
-from epdserve.engine.kv_transfer.setup import create_kv_connectors, encoder_fingerprint
+from epdserve.engine.kv_transfer.setup import (
+    create_kv_connectors,
+    derived_hash_seed,
+    encoder_fingerprint,
+)
 from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes
@@ -105,10 +109,20 @@ class EngineCore:
             self.kv_spec,
         )
         hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
-        self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
+        self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, self._seed()))
         self.eos_token_ids = model_cfg.eos_token_ids
         self.step_count = 0
         self.guard = StepGuard()
+
+    def _seed(self) -> str | None:
+        """``--hash-seed``; else, when blocks are named to others (a KV connector or KV
+        events), one every pod of this checkpoint derives alike; else random (None)."""
+        cfg = self.config
+        if cfg.hash_seed is not None or not (cfg.kv_transfer_config or cfg.enable_kv_events):
+            return cfg.hash_seed
+        seed = derived_hash_seed(cfg.model)
+        log.info("hash seed derived from the checkpoint (%s); --hash-seed chooses one", seed)
+        return seed
 
     def _block_shape(self) -> tuple[int, ...]:
         cfg = self.model.config

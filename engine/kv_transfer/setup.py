@@ -43,6 +43,12 @@ def weights_digest(model_dir: str) -> str:
     return digest.hexdigest()
 
 
+def derived_hash_seed(model_dir: str) -> str:
+    """The hash seed of a pod given none: every pod serving the same checkpoint derives the
+    same one, so hand-started pods that share a store or a router share prefix names."""
+    return f"epdserve-model:{weights_digest(os.fspath(model_dir))}"
+
+
 def model_fingerprint(
     model_dir: str, dtype: str, block_shape: tuple[int, ...], block_size: int, hash_algo: str
 ) -> str:
@@ -65,11 +71,6 @@ def create_kv_connectors(
     if not config.kv_transfer_config:
         return None
     transfer = KVTransferConfig.from_json(config.kv_transfer_config)
-    if config.hash_seed is None:
-        log.warning(
-            "a KV connector without --hash-seed: this pod's block hashes are random, so no other "
-            "pod can share its blocks (pods of a pool must share one seed)"
-        )
     layout = KVLayout(
         model_fingerprint(
             os.fspath(config.model),
