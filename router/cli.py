@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
+from epdserve.router.logs import FORMATS, LEVELS
 from epdserve.router.strategy import STRATEGIES
 
 
@@ -79,7 +79,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require Authorization: Bearer KEY on every route but /health, /ready, "
         "/metrics (default: env EPDSERVE_API_KEY)",
     )
-    a("--log-level", default="info", help="python logging level")
+    a(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=LEVELS,
+        help="log level; per-request and per-scrape lines only at debug",
+    )
+    a(
+        "--log-format",
+        default="text",
+        choices=FORMATS,
+        help="text lines, or json: one object per line (time, level, logger, message)",
+    )
+    a(
+        "--access-log",
+        action="store_true",
+        help="log one line per HTTP request (uvicorn's access log; off by default)",
+    )
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -200,9 +217,9 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted."""
     import uvicorn
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from epdserve.router.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
     try:
         app = build(args)
     except ValueError as exc:
@@ -212,7 +229,9 @@ def run(args: argparse.Namespace) -> int:
         app,
         host=args.host,
         port=args.port,
-        log_level=args.log_level.lower(),
+        log_level=args.log_level,
+        log_config=None,  # uvicorn's loggers propagate to ours (text or json)
+        access_log=args.access_log,
         timeout_graceful_shutdown=5,
     )
     return 0
