@@ -12,6 +12,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from epdserve import __version__
 from epdserve.router.disagg import handle as disagg_handle
 from epdserve.router.guard import ApiKeyCheck, BodyLimit
 from epdserve.router.loadstats import scrape_forever
@@ -78,9 +79,17 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
             return router
         return disagg.decode
 
-    async def forward(request: Request, path: str, body: dict) -> Response:
-        content = await request.body()
+    def metadata_router() -> Router:
+        """Pods for /v1/models, /tokenize, /detokenize: any role knows the model, so with
+        no colocated or decode pod up a prefill (or encoder) pod answers."""
         target = plain_router()
+        if disagg is None or target.available():
+            return target
+        return next((r for r in (disagg.prefill, disagg.encoder) if r and r.available()), target)
+
+    async def forward(request: Request, path: str, body: dict, target: Router | None = None):
+        content = await request.body()
+        target = target or plain_router()
         # tokenizing a long prompt or rendering a template must not stall other streams
         routing = await asyncio.to_thread(target.route, path, body)
         try:
@@ -132,18 +141,24 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await forward(request, "/v1/models", {})
+        return await forward(request, "/v1/models", {}, metadata_router())
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return await forward(request, "/tokenize", {})
+        return await forward(request, "/tokenize", {}, metadata_router())
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        return await forward(request, "/detokenize", {})
+        return await forward(request, "/detokenize", {}, metadata_router())
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        # the router and its pods are one release: the pods' own answer, with no pod needed
+        return JSONResponse({"version": __version__})
 
     @app.get("/health")
     async def health() -> Response:
+        """The router is up (pods or not: /ready says whether it can serve)."""
         return Response(status_code=200)
 
     @app.get("/ready")

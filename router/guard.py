@@ -11,7 +11,8 @@ import hmac
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.proxy import openai_error
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapes need no key
+# probes, scrapes and /version need no key (as on an engine pod)
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 
 
 def _header(scope, name: bytes) -> bytes | None:

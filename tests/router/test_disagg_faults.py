@@ -83,6 +83,19 @@ def test_plain_requests_of_a_pd_pool_go_to_a_decode_pod(
     assert requests(spawn, prefill) == 0 and requests(spawn, decode) == 1
 
 
+def test_with_every_decode_pod_down_a_prefill_pod_answers_models_and_tokenize(spawn, model_dir):
+    prefill, decode = spawn.standin(model_dir), spawn.standin(model_dir)
+    router = pd_router(spawn, prefill, decode)
+    decode.kill()
+    deadline = time.monotonic() + 20
+    while httpx.get(router.url + "/ready", timeout=2).status_code != 503:  # scraped as down
+        assert time.monotonic() < deadline, "the router never saw the decode pod go"
+        time.sleep(0.05)
+    assert httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+    r = httpx.post(router.url + "/tokenize", json={"prompt": "hi"}, timeout=10)
+    assert r.status_code == 200 and r.json()["pod"] == int(prefill.url.rsplit(":", 1)[1])
+
+
 IMAGE_CHAT = {
     "model": "tiny",
     "max_tokens": 2,

@@ -71,8 +71,8 @@ def test_the_right_key_opens_every_route(guarded, method, path, body):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics"])
-def test_probe_and_scrape_routes_need_no_key(guarded, path):
+@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/version"])
+def test_probe_scrape_and_version_routes_need_no_key(guarded, path):
     assert httpx.get(guarded.url + path, timeout=10).status_code == 200
 
 
