@@ -37,6 +37,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +77,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             value = getattr(self, name)
             _check(value is None or value >= 0, name, f"must be non-negative, got {value}")
         _check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        _check(
+            all(
+                isinstance(t, int) and t >= 0 and -100.0 <= v <= 100.0
+                for t, v in (self.logit_bias or {}).items()
+            ),
+            "logit_bias",
+            "keys must be token ids and values in [-100, 100]",
+        )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

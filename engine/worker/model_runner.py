@@ -165,7 +165,13 @@ class ModelRunner:
         want_lp = [p.logprobs for p in params]
         raw_logprobs = None
         if want_lp.count(None) != len(want_lp):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # of the model, before any bias
+        if any(p.logit_bias for p in params):
+            for i, p in enumerate(params):
+                if p.logit_bias:
+                    ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+                    bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+                    logits[i].index_add_(0, ids, bias)
         if all_greedy and not any(p.needs_penalties for p in params):
             tokens = argmax_rows(logits)  # no per-row sampling state to build
         else:

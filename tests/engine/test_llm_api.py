@@ -76,6 +76,28 @@ def test_top_k_one_is_greedy(llm):
     assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
 
 
+def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_raw(llm):
+    prompt = [{"prompt_token_ids": list(range(30, 60))}]
+    plain = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    )[0].outputs[0]
+    forced = llm.generate(
+        prompt,
+        SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, logit_bias={777: 100.0}
+        ),
+    )[0].outputs[0]
+    assert forced.token_ids == [777] * 6
+    assert forced.logprobs[0][777].logprob < 0  # the model's own logprob, not the biased one
+    banned = llm.generate(
+        prompt,
+        SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, logit_bias={plain.token_ids[0]: -100.0}
+        ),
+    )[0].outputs[0]
+    assert banned.token_ids[0] != plain.token_ids[0]
+
+
 def test_logprobs_match_transformers_log_softmax(llm, models):
     from transformers import AutoModelForCausalLM
 

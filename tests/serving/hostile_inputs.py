@@ -69,7 +69,13 @@ TABLE = [
     Hostile("a 70-bit seed", completion(seed=2**70), param="seed"),
     Hostile("an unknown field", completion(frobnicate=True), param="frobnicate"),
     Hostile(
-        "a logit_bias this server ignores", completion(logit_bias={"5": 10}), param="logit_bias"
+        "a logit_bias key that is no token", completion(logit_bias={"ab": 1}), param="logit_bias"
+    ),
+    Hostile("a logit_bias of 1e9", completion(logit_bias={"5": 1e9}), param="logit_bias"),
+    Hostile(
+        "a json_schema response_format",
+        completion(response_format={"type": "json_schema"}),
+        param="response_format",
     ),
     Hostile("an empty cache_salt", completion(cache_salt=""), param="cache_salt"),
     Hostile(

@@ -207,8 +207,10 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                 )
         echo = bool(getattr(req, "echo", False))
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = responses.stream_response(serving, prep, echo, include_usage)
+            options = req.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and options.continuous_usage_stats
+            body = responses.stream_response(serving, prep, echo, include_usage, continuous)
             return StreamingResponse(_guard_stream(body), media_type="text/event-stream")
         return JSONResponse(
             await _until_disconnect(raw, responses.full_response(serving, prep, echo))

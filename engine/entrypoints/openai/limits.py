@@ -24,6 +24,7 @@ class RequestLimits:
     max_stop_len: int = 1024  # characters per stop string
     max_stop_token_ids: int = 1024
     max_cache_salt_len: int = 1024
+    max_logit_bias: int = 1024  # entries of logit_bias
     max_body_bytes: int = 32 << 20  # whole request body (413 above)
     max_images: int = 8  # --limit-mm-per-prompt '{"image": N}'
 
@@ -31,7 +32,6 @@ class RequestLimits:
 # OpenAI/vLLM request fields this server accepts but does not act on: harmless only at the
 # values listed (None always is). Any other value, or any other unknown field, is a 400.
 TOLERATED: dict[str, tuple] = {
-    "logit_bias": ({},),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
@@ -121,12 +121,28 @@ def check_sampling_fields(req, limits: RequestLimits, vocab_size: int) -> None:
         )
     if any(t < 0 or t >= vocab_size for t in ids):
         raise APIError(400, "stop_token_ids: ids must be within the vocabulary", "stop_token_ids")
+    check_logit_bias(req.logit_bias, limits, vocab_size)
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= limits.max_cache_salt_len:
         raise APIError(
             400,
             f"cache_salt: must be a non-empty string of at most {limits.max_cache_salt_len}",
             "cache_salt",
         )
+
+
+def check_logit_bias(bias: dict[str, float] | None, limits: RequestLimits, vocab: int) -> None:
+    """OpenAI's shape: token ids as strings, biases in [-100, 100]."""
+    if not bias:
+        return
+    if len(bias) > limits.max_logit_bias:
+        raise APIError(400, f"logit_bias: at most {limits.max_logit_bias} entries", "logit_bias")
+    for token, value in bias.items():
+        if not token.isdigit() or int(token) >= vocab:
+            raise APIError(
+                400, f"logit_bias: {token!r} is not a token id of this model", "logit_bias"
+            )
+        if not (math.isfinite(value) and -100.0 <= value <= 100.0):
+            raise APIError(400, f"logit_bias: {value} is not in [-100, 100]", "logit_bias")
 
 
 def find_surrogate(value: Any, path: str = "") -> str | None:

@@ -53,6 +53,7 @@ class _Common(_ValidText):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -69,6 +70,9 @@ class _Common(_ValidText):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA,
+            logit_bias={int(t): float(v) for t, v in self.logit_bias.items()}
+            if self.logit_bias
+            else None,
         )
         for name, default in (
             ("temperature", 1.0),

@@ -52,6 +52,16 @@ def chat_logprobs(serving: OpenAIServing, entries: list) -> dict:
     return {"content": content}
 
 
+def echoed(prep: Prepared, prompt_index: int, echo: bool) -> str:
+    """What ``echo`` puts before the generated text: the prompt (completions), or the last
+    message when it is the assistant's own, being continued (chat, as vLLM)."""
+    if not echo:
+        return ""
+    if prep.kind == "chat":
+        return prep.echo_text
+    return prep.texts[prompt_index] or ""
+
+
 def usage(prep: Prepared, acc: Accumulator) -> dict:
     prompt = sum(len(p) for p in prep.prompts)
     completion = sum(acc.tokens)
@@ -83,7 +93,7 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
     chat = prep.kind == "chat"
     choices = []
     for c in range(len(acc.text)):
-        prefix = prep.texts[c // n] if echo and not chat else ""
+        prefix = echoed(prep, c // n, echo)
         choice = {
             "index": c,
             "finish_reason": acc.finish[c],
@@ -97,7 +107,7 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
                 else completion_logprobs(serving, acc.logprobs[c], len(prefix))
             )
         if chat:
-            choice["message"] = {"role": "assistant", "content": acc.text[c]}
+            choice["message"] = {"role": "assistant", "content": prefix + acc.text[c]}
         else:
             choice["text"] = prefix + acc.text[c]
         choices.append(choice)
@@ -114,8 +124,14 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
 
 
 async def stream_response(
-    serving: OpenAIServing, prep: Prepared, echo: bool, include_usage: bool
+    serving: OpenAIServing,
+    prep: Prepared,
+    echo: bool,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
+    """SSE chunks; ``continuous_usage`` (vLLM's ``continuous_usage_stats``) puts the usage
+    so far on every chunk too."""
     chat = prep.kind == "chat"
     n = prep.params.n
     acc = Accumulator(n * len(prep.prompts))
@@ -149,8 +165,8 @@ async def stream_response(
             if not seq.text and not seq.token_ids and not seq.finish_reason:
                 continue
             text = seq.text
-            if echo and not chat and not started[c]:
-                text = prep.texts[i] + text
+            if not started[c]:
+                text = echoed(prep, i, echo) + text
             started[c] = True
             acc.tokens[c] += len(seq.token_ids)
             choice = {
@@ -170,7 +186,10 @@ async def stream_response(
                 choice["delta"] = {"content": text}
             else:
                 choice["text"] = text
-            yield sse({**head, "choices": [choice]})
+            chunk = {**head, "choices": [choice]}
+            if continuous_usage:
+                chunk["usage"] = usage(prep, acc)
+            yield sse(chunk)
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(prep, acc)})
     yield b"data: [DONE]\n\n"

@@ -35,6 +35,7 @@ class Prepared:
         self.kv_transfer_params: dict | None = None
         self.mm_features: list = []  # for the (single) chat prompt
         self.cache_salt: str | None = None  # tenant isolation (vLLM's cache_salt)
+        self.echo_text = ""  # chat: the assistant's last message, when it is continued
         self.request_id = new_request_id(kind)
         self.created = int(time.time())
 
@@ -119,6 +120,9 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prep = self._finish_prepare(req, [ids], [text], max_tokens, logprobs, "chat")
         prep.mm_features = features
+        last = messages[-1]
+        if req.echo and last["role"] == "assistant" and isinstance(last["content"], str):
+            prep.echo_text = last["content"]
         return prep
 
     def _render_chat(self, req: ChatCompletionRequest, messages: list[dict], images: list):

@@ -1,0 +1,97 @@
+"""Request features clients send, through the official ``openai`` client: vLLM's behaviour,
+or a 400 naming the field."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+PROMPT = "def add(a, b):\n    return"
+
+
+def test_logit_bias_forces_a_token(client, server):
+    import httpx
+    from serving_support import API_KEY
+
+    forced = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"300": 100},
+        extra_body={"ignore_eos": True},
+    )
+    text = httpx.post(
+        server.url + "/detokenize",
+        json={"tokens": [300] * 4},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()["prompt"]
+    assert forced.choices[0].text == text and forced.usage.completion_tokens == 4
+
+
+def test_chat_echo_continues_the_assistants_last_message(client):
+    messages = [
+        {"role": "user", "content": "count"},
+        {"role": "assistant", "content": "one two"},
+    ]
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"echo": True, "add_generation_prompt": False},
+    )
+    assert out.choices[0].message.content.startswith("one two")
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(client):
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    with_text = [c for c in chunks if c.choices]
+    assert with_text and all(c.usage is not None for c in with_text)
+    assert [c.usage.completion_tokens for c in with_text] == list(range(1, 6))
+    assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
+
+
+def test_n_min_tokens_and_ignore_eos_are_honoured(client):
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=6,
+        n=3,
+        seed=5,
+        temperature=1.0,
+        extra_body={"min_tokens": 6, "ignore_eos": True},
+    )
+    assert len(out.choices) == 3 and out.usage.completion_tokens == 18
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+    ],
+)
+def test_features_this_server_lacks_are_a_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **kwargs
+        )
+    assert err.value.body["param"] == param
+
+
+def test_suffix_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, suffix="x")
+    assert err.value.body["param"] == "suffix"
