@@ -14,6 +14,7 @@ class TokenizerInfo:
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
+        self.model_dir = str(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"model: no tokenizer.json in {model_dir}")
@@ -51,29 +52,49 @@ class TokenizerInfo:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @cached_property
-    def _template(self):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    def hf(self):
+        """transformers' tokenizer of the checkpoint: its ``apply_chat_template`` is the one
+        chat-template renderer (the router renders with it too)."""
+        from transformers import AutoTokenizer
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise ValueError(f"messages: {message}")
-
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template)
+        return AutoTokenizer.from_pretrained(self.model_dir)
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
     ) -> str:
+        """The prompt text of ``messages``; ``kwargs`` are template variables
+        (``chat_template_kwargs``, ``tools``, ...). Errors are ``ValueError``s naming the part."""
+        from jinja2 import TemplateError
+
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kwargs,
-        )
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set")
+        try:
+            return self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except TemplateError as exc:
+            raise ValueError(f"messages: {exc}") from None
+
+
+# apply_chat_template's own arguments: a client must not reach them through template variables
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "chat_template",
+        "add_generation_prompt",
+    }
+)
 
 
 def _read_json(path: Path) -> dict:

@@ -79,6 +79,12 @@ TABLE = [
     ),
     Hostile("an empty cache_salt", completion(cache_salt=""), param="cache_salt"),
     Hostile(
+        "chat_template_kwargs reaching the renderer's own arguments",
+        chat(chat_template_kwargs={"tokenize": True}),
+        path="/v1/chat/completions",
+        param="chat_template_kwargs",
+    ),
+    Hostile(
         "kv_transfer_params of the wrong shape",
         completion(kv_transfer_params={"do_remote_prefill": "yes"}),
     ),

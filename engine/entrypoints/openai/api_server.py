@@ -70,6 +70,8 @@ class ServerState:
     async def start(self) -> None:
         try:
             await self.engine.start()
+            if self.engine.tokenizer.chat_template:  # load the renderer before the port opens
+                await asyncio.to_thread(lambda: self.engine.tokenizer.hf)
         except Exception:
             log.exception("engine failed to start")
             await self.engine.shutdown()
