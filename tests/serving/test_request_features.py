@@ -95,3 +95,24 @@ def test_suffix_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, suffix="x")
     assert err.value.body["param"] == "suffix"
+
+
+def test_a_chat_prompt_tokenized_upstream_answers_like_the_messages(client, server):
+    import httpx
+    from serving_support import API_KEY
+
+    messages = [{"role": "user", "content": "write a loop"}]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}, headers=auth).json()
+    plain = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0
+    )
+    given = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"prompt_token_ids": ids["tokens"]},
+    )
+    assert given.choices[0].message.content == plain.choices[0].message.content
+    assert given.usage.prompt_tokens == plain.usage.prompt_tokens == ids["count"]

@@ -129,6 +129,9 @@ class ChatCompletionRequest(_Common):
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # e.g. {"do_pan_and_scan": true}
+    # the rendered, tokenized prompt when a router already made it (text-only messages):
+    # the pod then neither renders nor tokenizes again
+    prompt_token_ids: list[int] | None = None
 
 
 class TokenizeRequest(_ValidText):

@@ -110,8 +110,13 @@ class OpenAIServing:
                 400, "messages: an encoder pod serves requests with images only", "messages"
             )
         try:
-            images = await asyncio.gather(*(self.multimodal.load_async(u, w) for u, w in urls))
-            text, ids, features = await asyncio.to_thread(self._render_chat, req, messages, images)
+            if req.prompt_token_ids is not None:
+                text, ids, features = self._pretokenized(req, urls)
+            else:
+                images = await asyncio.gather(*(self.multimodal.load_async(u, w) for u, w in urls))
+                text, ids, features = await asyncio.to_thread(
+                    self._render_chat, req, messages, images
+                )
         except ValueError as exc:
             raise from_value_error(exc) from exc
         if not ids:
@@ -124,6 +129,14 @@ class OpenAIServing:
         if req.echo and last["role"] == "assistant" and isinstance(last["content"], str):
             prep.echo_text = last["content"]
         return prep
+
+    def _pretokenized(self, req: ChatCompletionRequest, urls: list) -> tuple[None, list, list]:
+        """A chat prompt rendered and tokenized upstream (a router): ids checked only."""
+        if urls:
+            raise ValueError("prompt_token_ids: not supported for messages with images")
+        if any(t < 0 or t >= self.tok.vocab_size for t in req.prompt_token_ids):
+            raise ValueError("prompt_token_ids: token ids must be within the vocabulary")
+        return None, list(req.prompt_token_ids), []
 
     def _render_chat(self, req: ChatCompletionRequest, messages: list[dict], images: list):
         """Chat template, tokens and image features (in a worker thread)."""
