@@ -28,6 +28,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.encoder_core import EncoderCore
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from epdserve.engine.logs import setup_logging
 
 log = logging.getLogger("epdserve.core")
 
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="frontend PULL address")
     args = parser.parse_args(argv)
     _die_with_parent()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
+    setup_logging()  # the API process's --log-level/--log-format, through the environment
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = EngineConfig(**json.loads(args.config))
     core = EncoderCore(config) if config.role == "encoder" else EngineCore(config)

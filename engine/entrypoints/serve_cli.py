@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 
 ROLES = ("both", "encoder", "prefill", "decode")
@@ -111,6 +110,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds an image fetch may take",
     )
     p.add_argument("--log-level", default=_env("log_level", "info"))
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=_env("log_format", "text"),
+        help="json: one object per line (time, level, logger, message)",
+    )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        default=_env_bool("access_log", False),
+        help="log one line per HTTP request (off by default)",
+    )
 
 
 def _int_env(name: str):
@@ -187,10 +198,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from epdserve.engine.entrypoints.openai.api_server import ServerState, build_app
+    from epdserve.engine.logs import setup_logging
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    # the engine-core process inherits these and logs the same way
+    os.environ["EPDSERVE_LOG_LEVEL"], os.environ["EPDSERVE_LOG_FORMAT"] = (
+        args.log_level,
+        args.log_format,
     )
+    setup_logging(args.log_level, args.log_format)
     if not args.model:
         raise SystemExit("epdserve serve: a MODEL directory is required (or EPDSERVE_MODEL)")
     try:
@@ -205,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
-        access_log=False,
+        log_config=None,  # uvicorn's loggers go through ours (same format)
+        access_log=args.access_log,
     )
     return 0
