@@ -134,6 +134,7 @@ def build(args: argparse.Namespace):
     from epdserve.router.index import PrefixIndex
     from epdserve.router.metrics import RouterMetrics
     from epdserve.router.pods import PodEndpoint
+    from epdserve.router.seedcheck import RootHashCheck
     from epdserve.router.service import Router
     from epdserve.router.strategy import make_strategy
     from epdserve.router.tokenize import PromptTokenizer
@@ -151,6 +152,7 @@ def build(args: argparse.Namespace):
     tokenizer = PromptTokenizer(args.model) if args.model else None
     replay = args.kv_replay_port or None
     metrics = RouterMetrics()
+    root_check = RootHashCheck(metrics)  # one per pool: every role's pods must agree
 
     def new_router(role_strategy=strategy) -> Router:
         return Router(
@@ -161,6 +163,7 @@ def build(args: argparse.Namespace):
             metrics=metrics,
             speculative_ttl=args.speculative_ttl,
             default_block_size=args.block_size,
+            root_check=root_check,
         )
 
     router = new_router()

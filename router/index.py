@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from epdserve.connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from epdserve.router.keys import chain_keys, first_block_salt, root_key, token_bytes
@@ -27,6 +27,7 @@ class IngestResult:
     orphaned: int = 0  # blocks whose parent the index does not know
     skipped: int = 0  # blocks with image extra keys or invalid tokens
     cleared: bool = False
+    roots: list[tuple[int, int]] = field(default_factory=list)  # first blocks: (key, hash)
 
 
 class _PodBlocks:
@@ -114,6 +115,8 @@ class PrefixIndex:
         for h, key in zip(event.block_hashes, keys, strict=False):
             self._add(pod, blocks, h, key)
         result.stored += n
+        if event.parent_block_hash is None and keys:
+            result.roots.append((keys[0], event.block_hashes[0]))  # for the seed check
 
     def _add(self, pod: str, blocks: _PodBlocks, engine_hash: int, key: int) -> None:
         slot = blocks.by_hash.get(engine_hash)

@@ -70,6 +70,13 @@ class RouterMetrics:
             ["pod", "reason"],
             registry=r,
         )
+        self.hash_seed_mismatches = Counter(
+            P + "hash_seed_mismatches",
+            "First blocks this pod stored under another engine hash than another pod did "
+            "(a different --hash-seed or hash algorithm: no KV sharing between them)",
+            ["pod"],
+            registry=r,
+        )
         self.replays = Counter(
             P + "kv_event_replays", "Replay requests, by outcome", ["pod", "outcome"], registry=r
         )

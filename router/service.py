@@ -14,6 +14,7 @@ from epdserve.router.keys import request_keys
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.pending import PendingPrefixes
 from epdserve.router.pods import PodEndpoint, PodState
+from epdserve.router.seedcheck import RootHashCheck
 from epdserve.router.strategy import Candidate, Decision, Strategy
 from epdserve.router.subscriber import PodSubscriber
 from epdserve.router.tokenize import PromptTokenizer
@@ -44,11 +45,14 @@ class Router:
         subscribe: bool = True,
         speculative_ttl: float = 2.0,
         default_block_size: int = 16,
+        root_check: RootHashCheck | None = None,
     ) -> None:
         self.strategy, self.tokenizer = strategy, tokenizer
         self.served_model_name = served_model_name
         self.index = index or PrefixIndex()
         self.metrics = metrics or RouterMetrics()
+        # shared by every role's router of a pool: prefill and decode pods must agree
+        self.root_check = root_check or RootHashCheck(self.metrics)
         self._subscribe = subscribe
         self.default_block_size = default_block_size  # until a pod's events tell its own
         self.pending = PendingPrefixes(speculative_ttl)
@@ -77,6 +81,7 @@ class Router:
             state = self._pods.pop(name, None)
         self._stop_subscriber(name)
         self.pending.remove_pod(name)
+        self.root_check.forget_pod(name)
         if state is not None:
             if name in self._inflight_pods:
                 self._inflight_pods.discard(name)
@@ -120,7 +125,13 @@ class Router:
         if not self._subscribe:
             return
         sub = PodSubscriber(
-            endpoint.name, endpoint.events, endpoint.replay, self.index, self.metrics, self._zmq
+            endpoint.name,
+            endpoint.events,
+            endpoint.replay,
+            self.index,
+            self.metrics,
+            self._zmq,
+            root_check=self.root_check,
         )
         with self._lock:
             old = self._subscribers.pop(endpoint.name, None)

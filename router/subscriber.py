@@ -23,6 +23,7 @@ from epdserve.connectors.kv_events import (
 )
 from epdserve.router.index import IngestResult, PrefixIndex
 from epdserve.router.metrics import RouterMetrics
+from epdserve.router.seedcheck import RootHashCheck
 
 log = logging.getLogger(__name__)
 RECENT_SEQS = 4096  # payload fingerprints kept to tell replay duplicates from a restart
@@ -40,10 +41,12 @@ class PodSubscriber:
         metrics: RouterMetrics,
         context: zmq.Context | None = None,
         replay_timeout: float = 2.0,
+        root_check: RootHashCheck | None = None,
     ) -> None:
         self.pod = pod
         self._events, self._replay_endpoint = events_endpoint, replay_endpoint
         self._index, self._metrics = index, metrics
+        self._root_check = root_check
         self._context = context or zmq.Context.instance()
         self._replay_timeout_ms = int(replay_timeout * 1000)
         self._decoder = EventDecoder()
@@ -149,6 +152,8 @@ class PodSubscriber:
             m.blocks_unindexed.labels(self.pod, "unknown_parent").inc(result.orphaned)
         if result.skipped:
             m.blocks_unindexed.labels(self.pod, "extra_keys_or_invalid").inc(result.skipped)
+        if result.roots and self._root_check is not None:
+            self._root_check.observe(self.pod, result.roots)
 
     def _replay(self, start: int) -> None:
         """Ask the replay socket for every batch from ``start`` on and apply them."""
