@@ -23,7 +23,7 @@ PER_REQUEST_LOGGERS = ("httpx", "httpcore")
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time (UTC, ISO 8601), level, logger, message
-    (plus ``exc_info`` with the traceback when there is one)."""
+    (plus ``exc``, the traceback, when there is one: the engine pods write the same keys)."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -33,9 +33,9 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         if record.exc_info:
-            entry["exc_info"] = self.formatException(record.exc_info)
+            entry["exc"] = self.formatException(record.exc_info)
         if record.stack_info:
-            entry["stack_info"] = self.formatStack(record.stack_info)
+            entry["stack"] = self.formatStack(record.stack_info)
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 

@@ -41,7 +41,7 @@ def test_json_format_keeps_a_traceback_inside_its_line(restore_logging):
     except RuntimeError:
         logging.getLogger("x").exception("failed")
     (line,) = out.getvalue().splitlines()
-    assert "RuntimeError: boom" in json.loads(line)["exc_info"]
+    assert "RuntimeError: boom" in json.loads(line)["exc"]
 
 
 def test_httpx_request_lines_only_show_at_debug(restore_logging):
