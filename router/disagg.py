@@ -84,6 +84,21 @@ def pick_encoder(pods, urls: list[str]):
     return max(pods, key=lambda p: hashlib.blake2b(key + p.name.encode(), digest_size=8).digest())
 
 
+def with_prompt_ids(router: Router, path: str, body: dict) -> dict:
+    """The body both legs get: a text-only prompt as this router tokenized it, so prefill
+    and decode pods neither render nor tokenize it again (chat: ``prompt_token_ids``;
+    completions: the ids as the prompt, unless ``echo`` wants the prompt's own text)."""
+    if image_urls(body) or "prompt_token_ids" in body:
+        return body
+    chat = path.endswith("/chat/completions")
+    if not chat and (not isinstance(body.get("prompt"), str) or body.get("echo")):
+        return body
+    ids = router.prompt_ids(path, body)
+    if ids is None:
+        return body
+    return {**body, "prompt_token_ids": ids} if chat else {**body, "prompt": ids}
+
+
 def prefill_body(body: dict) -> dict:
     out = {k: v for k, v in body.items() if k not in PREFILL_DROP}
     out.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
@@ -184,6 +199,7 @@ async def handle(
     early = await encode_images(client, routers, settings, path, body, headers)
     if early is not None:
         return early
+    body = await asyncio.to_thread(with_prompt_ids, routers.decode, path, body)
     params = None
     if body.get("prompt_logprobs") is None:  # decode pods recompute those prompts anyway
         params, early = await run_prefill(client, routers, settings, path, body, headers)

@@ -169,6 +169,9 @@ class Router:
 
     def prompt_ids(self, path: str, body: dict) -> list[int] | None:
         """The request's prompt token ids, or None if they cannot be computed."""
+        given = body.get("prompt_token_ids")
+        if isinstance(given, list) and all(isinstance(t, int) for t in given):
+            return given  # tokenized upstream (this router, on a P/D request's first leg)
         if self.tokenizer is None or not self.strategy.uses_prefix:
             return None
         try:

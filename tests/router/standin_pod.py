@@ -75,11 +75,15 @@ def build(args) -> FastAPI:
         f"tcp://*:{args.events_port}", f"tcp://*:{args.replay_port}", f"kv@{args.port}"
     )
     cache = Cache(args.num_blocks, args.block_size, publisher)
-    state = {"running": 0, "requests": 0}
+    state = {"running": 0, "requests": 0, "pretokenized": 0}
     busy = asyncio.Lock()  # one prefill at a time, like an engine's step loop
     app = FastAPI(on_shutdown=[publisher.close])
 
     def prompt_ids(path: str, body: dict) -> list[int]:
+        if isinstance(body.get("prompt_token_ids"), list) or isinstance(body.get("prompt"), list):
+            state["pretokenized"] += 1  # the router tokenized it: nothing to render here
+        if isinstance(body.get("prompt_token_ids"), list):
+            return body["prompt_token_ids"]
         if path.endswith("chat/completions"):
             text = template.render(messages=body["messages"], add_generation_prompt=True)
             return tok.encode(text, add_special_tokens=False).ids
@@ -187,6 +191,7 @@ def build(args) -> FastAPI:
             f"vllm:prefix_cache_queries_total{labels} {float(cache.queries)}",
             f"vllm:prefix_cache_hits_total{labels} {float(cache.hits)}",
             f"standin:requests_total {float(state['requests'])}",
+            f"standin:pretokenized_total {float(state['pretokenized'])}",
         ]
         return Response("\n".join(lines) + "\n", media_type="text/plain")
 

@@ -24,15 +24,17 @@ def flag(pod) -> str:
     return f"{pod.url},events={pod.extra['events']},replay={pod.extra['replay']}"
 
 
-def pd_router(spawn, prefill, decode, encoder=None):
+def pd_router(spawn, prefill, decode, encoder=None, model=None):
     flags = ["--prefill-endpoint", flag(prefill), "--decode-endpoint", flag(decode)]
+    if model is not None:
+        flags += ["--model", str(model)]
     if encoder is not None:
         flags += ["--encoder-endpoint", flag(encoder)]
     router = spawn.router([], *flags)
     deadline = time.monotonic() + 20
     while True:
         r = httpx.get(router.url + "/ready", timeout=2)
-        if r.status_code == 200 and r.json()["pods"] == len(flags) // 2:
+        if r.status_code == 200 and r.json()["pods"] == 2 + (encoder is not None):
             return router
         assert time.monotonic() < deadline, "router never became ready"
         time.sleep(0.05)
@@ -127,3 +129,16 @@ def test_an_encoder_answering_503_is_skipped(spawn, model_dir):
     r = httpx.post(router.url + "/v1/chat/completions", json=IMAGE_CHAT, timeout=10)
     assert r.status_code == 200, r.text
     assert requests(spawn, encoder) == 1 and requests(spawn, decode) == 1
+
+
+def test_both_legs_get_the_prompt_as_the_router_tokenized_it(spawn, model_dir):
+    prefill, decode = spawn.standin(model_dir), spawn.standin(model_dir)
+    router = pd_router(spawn, prefill, decode, model=model_dir)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+    assert httpx.post(router.url + "/v1/chat/completions", json=chat, timeout=10).status_code == 200
+    echo = {**BODY, "echo": True}  # the pod must see the prompt's own text to echo it
+    assert httpx.post(router.url + "/v1/completions", json=echo, timeout=10).status_code == 200
+    for pod in (prefill, decode):
+        assert requests(spawn, pod) == 3
+        assert spawn.metric(pod.url, "standin:pretokenized_total") == 2

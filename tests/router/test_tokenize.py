@@ -58,3 +58,40 @@ def test_chat_without_messages_raises_prompt_error(model_dir):
 def test_a_directory_without_tokenizer_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         PromptTokenizer(tmp_path)
+
+
+CONVERSATIONS = [
+    (MESSAGES, {}),
+    (
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello there"},
+            {"role": "user", "content": "and now?"},
+        ],
+        {},
+    ),
+    ([{"role": "user", "content": "say A"}], {"add_generation_prompt": False}),
+    (
+        [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "once upon"}],
+        {"continue_final_message": True},
+    ),
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_the_routers_renderer_equals_transformers_on_every_architecture(models, arch):
+    """The router renders with a torch-free twin of transformers' renderer; P/D pods take
+    its token ids as they are, so the two must agree exactly."""
+    transformers = pytest.importorskip("transformers")
+    model_dir = models.get(arch)
+    hf = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    tok = PromptTokenizer(model_dir)
+    for messages, options in CONVERSATIONS:
+        continue_final = options.get("continue_final_message", False)
+        expected = hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=options.get("add_generation_prompt", True) and not continue_final,
+            continue_final_message=continue_final,
+        )
+        assert tok.render_chat({"messages": messages, **options}) == expected, (arch, messages)

@@ -19,6 +19,7 @@ from epdserve.engine.entrypoints.openai.limits import (
 from epdserve.engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from epdserve.engine.kv_transfer.params import validate_kv_transfer_params
 from epdserve.engine.multimodal.processor import check_processor_kwargs
+from epdserve.engine.tokenizer import RESERVED_TEMPLATE_KWARGS
 
 _json = msgspec.json.Encoder()
 
@@ -134,6 +135,9 @@ class OpenAIServing:
         """A chat prompt rendered and tokenized upstream (a router): ids checked only."""
         if urls:
             raise ValueError("prompt_token_ids: not supported for messages with images")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & (req.chat_template_kwargs or {}).keys())
+        if reserved:  # refused as when this pod renders the template itself
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set")
         if any(t < 0 or t >= self.tok.vocab_size for t in req.prompt_token_ids):
             raise ValueError("prompt_token_ids: token ids must be within the vocabulary")
         return None, list(req.prompt_token_ids), []
