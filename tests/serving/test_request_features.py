@@ -116,3 +116,47 @@ def test_a_chat_prompt_tokenized_upstream_answers_like_the_messages(client, serv
     )
     assert given.choices[0].message.content == plain.choices[0].message.content
     assert given.usage.prompt_tokens == plain.usage.prompt_tokens == ids["count"]
+
+
+@pytest.mark.parametrize(
+    "path, payload",
+    [
+        (
+            "/v1/completions",
+            {
+                "prompt": PROMPT,
+                "temperature": 0.0,
+                "repetition_penalty": 1.0,
+                "max_tokens": 5,
+                "logprobs": None,
+                "best_of": 1,
+                "use_beam_search": False,
+                "ignore_eos": True,
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}],
+                "temperature": 0.0,
+                "max_completion_tokens": 5,
+                "ignore_eos": True,
+            },
+        ),
+    ],
+)
+def test_a_benchmark_clients_streaming_payload_is_served_as_is(server, path, payload):
+    """The request shape of vLLM-style serving benchmarks (streamed, usage at the end)."""
+    import json
+
+    import httpx
+    from serving_support import API_KEY
+
+    body = {"model": "tiny", **payload, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 5
