@@ -3,15 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-MODEL  ?= models/tiny-llama
+MODEL  ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: run test install redis cc lint format clean
 
 run: $(STAMP) redis cc
-	@test -f $(MODEL)/config.json || $(BIN)/epdserve make-model --arch llama --out $(MODEL) --seed 0
-	$(BIN)/epdserve up --model $(MODEL) --host 127.0.0.1 --port 8000 $(UP_ARGS)
+	$(BIN)/epdserve up $(if $(MODEL),--model $(MODEL)) --host 127.0.0.1 --port 8000 $(UP_ARGS)
 
 test: $(STAMP) redis cc lint
 	$(BIN)/python -m pytest

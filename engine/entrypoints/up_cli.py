@@ -110,7 +110,16 @@ def epdserve_cmd(*args: str) -> list[str]:
 
 
 def ensure_model(args) -> str:
+    """``--model``, else a tiny checkpoint for the mode under models/ (built once)."""
     if args.model:
+        config = Path(args.model) / "config.json"
+        if args.mode == "epd" and "vision_config" not in (
+            json.loads(config.read_text()) if config.is_file() else {}
+        ):
+            raise SystemExit(
+                f"epdserve up: --mode epd needs an image+text model; {args.model} has no "
+                "vision tower (leave --model out for a tiny Gemma3)"
+            )
         return args.model
     arch = "gemma3" if args.mode == "epd" else "llama"
     path = Path("models") / f"tiny-{arch}"

@@ -100,3 +100,10 @@ def test_up_serves_through_the_router_and_ctrl_c_stops_everything(models, tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_up_refuses_an_epd_pool_of_a_text_only_model_at_once(models):
+    cmd = [sys.executable, "-m", "epdserve.engine.cli", "up", "--mode", "epd"]
+    cmd += ["--model", str(models.get("llama")), "--port", str(free_port())]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "needs an image+text model" in result.stderr
