@@ -38,15 +38,71 @@ class TransferStats(Counters):
     rejected: int = 0  # tensors present but refused: other metadata/shape/dtype, corrupt bytes
 
 
+class HostStaging:
+    """A reusable host buffer that blocks of a cache pass through: pinned when the cache is
+    on an accelerator, so device<->host copies are asynchronous DMA and the store only ever
+    sees host memory. Grown on demand; one per transfer direction (not shared by threads)."""
+
+    def __init__(self):
+        self._buf: torch.Tensor | None = None
+
+    def rows(self, n: int, cache: torch.Tensor) -> torch.Tensor:
+        """``n`` host rows shaped like ``cache``'s blocks."""
+        shape, buf = tuple(cache.shape[1:]), self._buf
+        if buf is None or buf.shape[0] < n or buf.shape[1:] != shape or buf.dtype != cache.dtype:
+            pinned = cache.device.type == "cuda"
+            size = max(n, 2 * buf.shape[0] if buf is not None else 0)
+            self._buf = buf = torch.empty((size, *shape), dtype=cache.dtype, pin_memory=pinned)
+        return buf[:n]
+
+    def gather(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+        """Host copies of ``cache[block_ids]`` (valid until the next call)."""
+        host = self.rows(len(block_ids), cache)
+        index = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        if cache.device.type == "cpu":
+            torch.index_select(cache, 0, index, out=host)
+        else:
+            host.copy_(cache.index_select(0, index), non_blocking=True)
+            _synchronize(cache.device)
+        return host
+
+    def scatter(self, cache: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
+        """``cache[block_ids[i]] = host[i]``."""
+        if not block_ids:
+            return
+        index = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        cache.index_copy_(0, index, host.to(cache.device, non_blocking=True))
+        if cache.device.type != "cpu":
+            _synchronize(cache.device)  # the caller's stream may differ (a loader thread)
+
+
+def _synchronize(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
 class KVBlockIO:
     """Saves and loads whole blocks of a paged KV cache ``[num_blocks, *block_shape]``.
 
     One instance per KV-cache group (``group`` > 0 only for hybrid models' extra groups).
+    A cache on an accelerator goes through pinned host staging buffers; a CPU cache is read
+    and written in place (no extra copy) unless ``staging=True`` asks for the staged path.
     """
 
-    def __init__(self, store: BlockStore, pool: str, meta: KVBlockMeta, group: int = 0):
+    def __init__(
+        self,
+        store: BlockStore,
+        pool: str,
+        meta: KVBlockMeta,
+        group: int = 0,
+        staging: bool | None = None,
+    ):
         self.store, self.pool, self.meta, self.group = store, pool, meta, group
         self.stats = TransferStats()
+        self.staging = staging  # None: staged exactly when the cache is not on the CPU
+        self._out, self._in = HostStaging(), HostStaging()
+
+    def _staged(self, kv_cache: torch.Tensor) -> bool:
+        return self.staging if self.staging is not None else kv_cache.device.type != "cpu"
 
     def key(self, block_hash: bytes | int | str) -> str:
         return kv_key(self.pool, self.meta.fingerprint, block_hash, self.group)
@@ -64,9 +120,8 @@ class KVBlockIO:
         stored. Reads the cache only (a device cache is staged to the host in one gather)."""
         _check_pairs(block_ids, block_hashes)
         blocks = kv_cache
-        if kv_cache.device.type != "cpu":
-            index = torch.as_tensor(list(block_ids), device=kv_cache.device)
-            blocks, block_ids = kv_cache.index_select(0, index).cpu(), range(len(block_ids))
+        if self._staged(kv_cache):
+            blocks, block_ids = self._out.gather(kv_cache, block_ids), range(len(block_ids))
         items = [
             (self.key(h), encode_kv_block(blocks[b], self.meta))
             for b, h in zip(block_ids, block_hashes, strict=True)
@@ -81,12 +136,18 @@ class KVBlockIO:
         _check_pairs(block_ids, block_hashes)
         values = self.store.get_many([self.key(h) for h in block_hashes])
         shape, loaded = tuple(kv_cache.shape[1:]), []
-        for block_id, value in zip(block_ids, values, strict=True):
+        staged = self._staged(kv_cache)
+        host = self._in.rows(len(block_ids), kv_cache) if staged else None
+        for i, (block_id, value) in enumerate(zip(block_ids, values, strict=True)):
+            out = host[i] if staged else kv_cache[block_id]
             ok = value is not None and (
-                decode_kv_block(value, self.meta, shape, kv_cache.dtype, out=kv_cache[block_id])
-                is not None
+                decode_kv_block(value, self.meta, shape, kv_cache.dtype, out=out) is not None
             )
             loaded.append(ok)
+        if staged:  # only the loaded blocks reach the cache
+            rows = [i for i, ok in enumerate(loaded) if ok]
+            index = torch.as_tensor(rows, dtype=torch.int64)
+            self._in.scatter(kv_cache, [block_ids[i] for i in rows], host.index_select(0, index))
         hits, present = _count_load(self.stats, values, loaded)
         if present > hits:
             logger.warning(

@@ -23,11 +23,14 @@ ROOT = Path(__file__).resolve().parents[3]
 HASHES = [bytes([i]) * 32 for i in range(1, 5)]
 
 
+# staged: the host-staging path a device cache takes (pinned buffers there), run on CPU
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_blocks_round_trip_bit_exact(store, meta, make_cache, dtype):
+def test_kv_blocks_round_trip_bit_exact(store, meta, make_cache, dtype, staged):
     source, dest = make_cache(dtype), torch.zeros(make_cache(dtype).shape, dtype=dtype)
-    assert KVBlockIO(store, "pool", meta).save(source, [1, 2, 3, 4], HASHES) == [True] * 4
-    io = KVBlockIO(store, "pool", meta)
+    saver = KVBlockIO(store, "pool", meta, staging=staged)
+    assert saver.save(source, [1, 2, 3, 4], HASHES) == [True] * 4
+    io = KVBlockIO(store, "pool", meta, staging=staged)
     assert io.count_cached_prefix(HASHES) == 4
     assert io.load(dest, [7, 6, 5, 4], HASHES) == [True] * 4
     for src, dst in zip([1, 2, 3, 4], [7, 6, 5, 4], strict=True):
@@ -36,8 +39,9 @@ def test_kv_blocks_round_trip_bit_exact(store, meta, make_cache, dtype):
     assert (io.stats.loaded, io.stats.misses, io.stats.rejected) == (4, 0, 0)
 
 
-def test_missing_keys_are_misses_and_leave_slots_untouched(store, meta, make_cache):
-    io = KVBlockIO(store, "pool", meta)
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_missing_keys_are_misses_and_leave_slots_untouched(store, meta, make_cache, staged):
+    io = KVBlockIO(store, "pool", meta, staging=staged)
     io.save(make_cache(), [1], HASHES[:1])
     dest = torch.zeros(make_cache().shape)
     assert io.load(dest, [1, 2], [HASHES[1], HASHES[0]]) == [False, True]
