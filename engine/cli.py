@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("epdserve.router.cli", "run the cache-aware OpenAI gateway"),
     "operator": ("epdserve.operator.cli", "run the InferencePool kopf operator"),
     "up": ("epdserve.engine.entrypoints.up_cli", "run a whole pool locally (no cluster)"),
+    "download": ("epdserve.engine.model_source", "fetch a HuggingFace model into the HF cache"),
     "make-model": ("epdserve.engine.make_model", "write a tiny random HF checkpoint"),
     "bench": ("epdserve.engine.entrypoints.bench_cli", "run a benchmark from bench/"),
 }

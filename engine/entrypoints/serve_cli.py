@@ -29,8 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=_env("model"),
-        help="model directory (HF format); or EPDSERVE_MODEL",
+        help="model directory (HF format) or HuggingFace hub id; or EPDSERVE_MODEL",
     )
+    p.add_argument("--revision", default=_env("revision"), help="hub revision of MODEL")
     p.add_argument("--host", default=_env("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("port", 8000)))
     p.add_argument("--served-model-name", default=_env("served_model_name"))
@@ -209,6 +210,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:
         raise SystemExit("epdserve serve: a MODEL directory is required (or EPDSERVE_MODEL)")
     try:
+        from epdserve.engine.model_source import resolve_model
+
+        # a hub id names the model; every component below reads the local snapshot
+        args.served_model_name = args.served_model_name or args.model
+        args.model = resolve_model(args.model, args.revision)
         config = engine_config(args)
         limits, image_limits = request_limits(args)
     except ValueError as exc:
