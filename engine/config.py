@@ -32,6 +32,7 @@ class EngineConfig:
     role: str = "both"  # both | encoder | prefill | decode (DESIGN.md §2)
     ec_transfer_config: str | None = None  # --ec-transfer-config JSON (encoder outputs)
     mm_processor_kwargs: dict | None = None  # image-processor options, e.g. do_pan_and_scan
+    attention_backend: str | None = None  # triton | native | torch; None: chosen by device
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +55,10 @@ class EngineConfig:
             from epdserve.engine.multimodal.processor import check_processor_kwargs
 
             check_processor_kwargs(self.mm_processor_kwargs)
+        if self.attention_backend is not None:
+            from epdserve.kernels.backends import check_backend
+
+            check_backend(self.attention_backend, self.device)
         self._check_role()
 
     def _check_role(self) -> None:

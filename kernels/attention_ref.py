@@ -45,10 +45,13 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    *,
+    native_decode: bool = True,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; returns ``out[T, H, D]`` in query's dtype.
 
-    Decode sequences (q_len == 1) run in one call of the C kernel when it is available, else
+    Decode sequences (q_len == 1) run in one call of the C kernel when it is available (and
+    ``native_decode``, which the ``torch`` attention backend turns off), else
     as padded, masked, batched computations (``decode_ref``), split into a few groups of
     similar length when padding everyone to the longest would waste a lot; each longer query
     span runs one SDPA of its own.
@@ -64,7 +67,7 @@ def paged_attention_ref(
     _check_lengths(q_lens, lens, block_table.shape[1] * key_cache.shape[1])
     args = (key_cache, value_cache, block_table, scale, sliding_window, soft_cap)
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode and native.supports(query, key_cache, value_cache):
+    if decode and native_decode and native.supports(query, key_cache, value_cache):
         _decode_native(out, query, decode, starts, lens, args)
         decode = []
     bs = key_cache.shape[1]

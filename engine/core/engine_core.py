@@ -58,7 +58,11 @@ class EngineCore:
         model_cfg = load_model_config(config.model)
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.model = load_model(
-            config.model, dtype, device, max(self.max_model_len, model_cfg.max_position_embeddings)
+            config.model,
+            dtype,
+            device,
+            max(self.max_model_len, model_cfg.max_position_embeddings),
+            config.attention_backend,
         )
         hybrid = not (config.disable_hybrid_kv_cache_manager or config.kv_transfer_config)
         self.kv_spec = make_kv_cache_spec(model_cfg.layer_windows(), hybrid)

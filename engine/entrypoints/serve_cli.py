@@ -43,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("float32", "bfloat16", "float16", "auto"),
     )
     p.add_argument("--device", default=_env("device", "cpu"))
+    p.add_argument(
+        "--attention-backend",
+        choices=("triton", "native", "torch"),
+        default=_env("attention_backend") or None,
+        help="attention kernels; default: triton on cuda, native (C decode) or torch on cpu",
+    )
     p.add_argument("--max-model-len", type=int, default=_int_env("max_model_len"))
     p.add_argument(
         "--kv-cache-memory", type=int, default=_int_env("kv_cache_memory"), help="bytes of KV cache"
@@ -153,6 +159,7 @@ def engine_config(args: argparse.Namespace):
         role=args.role,
         ec_transfer_config=args.ec_transfer_config or None,
         mm_processor_kwargs=_json_flag(args.mm_processor_kwargs, "mm_processor_kwargs"),
+        attention_backend=args.attention_backend,
     )
 
 

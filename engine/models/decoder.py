@@ -1,7 +1,8 @@
 """Decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
 
 Weights are fused at load time (q|k|v, gate|up) so each layer is four matmuls; attention
-goes through the ``epdserve.kernels`` API against the paged, cross-layer KV cache.
+goes through the attention backend chosen at load (``epdserve.kernels.backends``) against
+the paged, cross-layer KV cache.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.rope import cos_sin_cache
-from epdserve.kernels import paged_attention, reshape_and_cache, rms_norm, rotary_embedding
+from epdserve.kernels import rms_norm, rotary_embedding
+from epdserve.kernels.backends import AttentionBackend, get_backend
 
 
 @dataclass
@@ -51,11 +53,17 @@ class DecoderLM:
     """``forward(input_ids, meta, kv_caches) -> hidden``; ``compute_logits(hidden)``."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        attention: AttentionBackend | None = None,
     ):
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.attention = attention or get_backend(None, device)
         self.layers = [DecoderLayer() for _ in range(config.num_layers)]
         self.scale = config.head_dim**-0.5
         self.rope_cache = cos_sin_cache(
@@ -94,7 +102,16 @@ class DecoderLM:
         qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
         norms = (layer.q_norm, layer.k_norm) if cfg.qk_norm else None
         out, _ = self_attention(
-            cfg, qkv, meta, k_cache, v_cache, norms, self.rope_cache, self.scale, cfg.sliding_window
+            self.attention,
+            cfg,
+            qkv,
+            meta,
+            k_cache,
+            v_cache,
+            norms,
+            self.rope_cache,
+            self.scale,
+            cfg.sliding_window,
         )
         return F.linear(out.reshape(x.shape[0], cfg.q_size), layer.o_w)
 
@@ -110,6 +127,7 @@ def per_layer(meta, num_layers: int) -> list[AttentionMetadata]:
 
 
 def self_attention(
+    attention: AttentionBackend,
     cfg: ModelConfig,
     qkv: torch.Tensor,
     meta: AttentionMetadata,
@@ -133,8 +151,8 @@ def self_attention(
     else:
         q, k = q.contiguous(), k.contiguous()
     q, k = rotary_embedding(meta.positions, q, k, rope, True)
-    reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = paged_attention(
+    attention.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = attention.paged_attention(
         q,
         k_cache,
         v_cache,

@@ -13,6 +13,7 @@ from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.decoder import AttentionMetadata, per_layer, self_attention
 from epdserve.engine.models.rope import cos_sin_cache
 from epdserve.kernels import rms_norm
+from epdserve.kernels.backends import AttentionBackend, get_backend
 
 
 class Gemma3Layer:
@@ -36,11 +37,17 @@ class Gemma3LM:
     """``forward(input_ids, meta, kv_caches, inputs_embeds=None) -> hidden``."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        attention: AttentionBackend | None = None,
     ):
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.attention = attention or get_backend(None, device)
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.ropes = {
             kind: cos_sin_cache(params, config.head_dim, max_positions, torch.float32).to(
@@ -90,6 +97,7 @@ class Gemma3LM:
     def _attention(self, layer: Gemma3Layer, x, meta: AttentionMetadata, k_cache, v_cache):
         cfg = self.config
         out, q = self_attention(
+            self.attention,
             cfg,
             F.linear(x, layer.qkv_w),
             meta,

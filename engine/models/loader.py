@@ -11,6 +11,7 @@ from safetensors import safe_open
 from epdserve.engine.models.config import ModelConfig, load_model_config
 from epdserve.engine.models.decoder import DecoderLM
 from epdserve.engine.models.gemma3 import Gemma3LM, load_gemma3_weights
+from epdserve.kernels.backends import get_backend
 
 
 class CheckpointReader:
@@ -41,8 +42,17 @@ class CheckpointReader:
         return self.where[name].get_tensor(name)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int):
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    attention_backend: str | None = None,
+):
+    """The decoder of ``model_dir`` on ``device``, attending with ``attention_backend``
+    (``triton`` | ``native`` | ``torch``; None: ``backends.default_backend(device)``)."""
     config = load_model_config(model_dir)
+    attention = get_backend(attention_backend, device)
     reader = CheckpointReader(model_dir)
     prefix = _prefix(reader)
 
@@ -50,14 +60,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         return reader.get(prefix + name).to(device=device, dtype=dtype).contiguous()
 
     if config.family == "gemma3":
-        model = Gemma3LM(config, dtype, device, max_positions)
+        model = Gemma3LM(config, dtype, device, max_positions, attention)
 
         def get_norm(name: str) -> torch.Tensor:  # Gemma scales by (1 + w), kept in fp32
             return (1.0 + reader.get(prefix + name).float()).to(device).contiguous()
 
         load_gemma3_weights(model, get, get_norm)
         return model
-    model = DecoderLM(config, dtype, device, max_positions)
+    model = DecoderLM(config, dtype, device, max_positions, attention)
 
     model.embed = get("embed_tokens.weight")
     model.final_norm = get("norm.weight")
