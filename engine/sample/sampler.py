@@ -30,11 +30,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         p = row.params
         if not p.needs_penalties:
             continue
-        out = torch.tensor(row.output_ids or [], dtype=torch.int64)
+        out = torch.tensor(row.output_ids or [], dtype=torch.int64, device=logits.device)
         counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[torch.tensor(row.prompt_ids or [], dtype=torch.int64)] = True
+            seen[torch.tensor(row.prompt_ids or [], dtype=torch.int64, device=logits.device)] = True
             rp = p.repetition_penalty
             logits[i] = torch.where(
                 seen, torch.where(logits[i] > 0, logits[i] / rp, logits[i] * rp), logits[i]
@@ -46,23 +46,26 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (masked logits become -inf)."""
-    temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in rows])
+    dev = logits.device
+    temps = torch.tensor(
+        [r.params.temperature if not r.params.greedy else 1.0 for r in rows], device=dev
+    )
     logits = logits / temps[:, None]
     top_k = [r.params.top_k for r in rows]
     if any(top_k):
-        k = torch.tensor([t if t > 0 else logits.shape[1] for t in top_k])
+        k = torch.tensor([t if t > 0 else logits.shape[1] for t in top_k], device=dev)
         kth = torch.sort(logits, dim=-1, descending=True).values.gather(
             1, (k - 1).clamp(max=logits.shape[1] - 1)[:, None]
         )
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_p = torch.tensor([r.params.top_p for r in rows])
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
     if bool((top_p < 1.0).any()):
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=False)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum <= (1 - top_p[:, None])
         drop[:, -1] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))
-    min_p = torch.tensor([r.params.min_p for r in rows])
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
     if bool((min_p > 0).any()):
         probs = logits.softmax(-1)
         threshold = probs.max(-1, keepdim=True).values * min_p[:, None]
@@ -90,7 +93,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], all_greedy: bool) -> t
     if all_greedy:
         return greedy_tokens
     sampled = _random_sample(_filter(logits, rows), rows)
-    is_greedy = torch.tensor([r.params.greedy for r in rows])
+    is_greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
     return torch.where(is_greedy, greedy_tokens, sampled)
 
 

@@ -37,7 +37,15 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_groups: int = 1):
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        num_groups: int = 1,
+        device: torch.device | str = "cpu",
+    ):
+        self.device = torch.device(device)  # where seeded rows' generators live
         self.block_size = block_size
         self.max_model_len = max_model_len
         max_blocks = -(-max_model_len // block_size)
@@ -67,7 +75,7 @@ class InputBatch:
         self.append_blocks(row, block_ids)
         generator = None
         if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.states[req_id] = RequestState(req_id, row, params, num_prompt_tokens, generator)
 
     def remove(self, req_id: str) -> None:

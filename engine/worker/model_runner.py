@@ -15,6 +15,7 @@ from epdserve.engine.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from epdserve.engine.core.kv_cache_groups import KVCacheSpec, make_kv_cache_spec
 from epdserve.engine.models.decoder import AttentionMetadata, DecoderLM
 from epdserve.engine.sample.sampler import SamplingRow, argmax_rows, compute_logprobs, sample
+from epdserve.engine.worker.device_inputs import DeviceInputs
 from epdserve.engine.worker.input_batch import InputBatch
 from epdserve.engine.worker.mm_inputs import EncoderOutputs, place_image_embeddings
 from epdserve.kernels import native
@@ -52,7 +53,10 @@ class ModelRunner:
         if self.kv_cache.device.type == "cpu":
             native.available()  # build the C decode kernel now, not on the first request
         self.layer_groups = [g for g, _ in placement]
-        self.batch = InputBatch(max_num_reqs, max_model_len, block_size, len(spec.groups))
+        self.batch = InputBatch(
+            max_num_reqs, max_model_len, block_size, len(spec.groups), model.device
+        )
+        self.device_inputs = DeviceInputs(model.device)  # pinned staging off the CPU
         self.kv_connector = kv_connector  # worker side of a KV connector, if any
         self.encoder_outputs = (
             EncoderOutputs(vision_encoder, ec_connector) if vision_encoder else None
@@ -98,30 +102,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = self.batch.prepare(sched.num_scheduled_tokens)
+        inputs = self.batch.prepare(sched.num_scheduled_tokens)  # host tensors
+        dev = self.device_inputs.move(inputs)  # the same on the model's device
         metas = [
-            AttentionMetadata(
-                inputs.positions, slots, table, inputs.seq_lens, inputs.query_start_loc
-            )
-            for slots, table in zip(inputs.slot_mapping, inputs.block_table, strict=True)
+            AttentionMetadata(dev.positions, slots, table, dev.seq_lens, dev.query_start_loc)
+            for slots, table in zip(dev.slot_mapping, dev.block_table, strict=True)
         ]
-        embeds = self._multimodal_embeds(sched, inputs, metas)
+        embeds = self._multimodal_embeds(sched, inputs, dev.input_ids, metas)
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layer_groups]
         if embeds is None:
-            hidden = self.model.forward(inputs.input_ids, meta, self.layer_caches)
+            hidden = self.model.forward(dev.input_ids, meta, self.layer_caches)
         else:
-            hidden = self.model.forward(inputs.input_ids, meta, self.layer_caches, embeds)
+            hidden = self.model.forward(dev.input_ids, meta, self.layer_caches, embeds)
         sampled: dict[str, list[int]] = {}
         logprobs = {}
         if inputs.sample_req_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(hidden[dev.logits_indices])
             sampled, logprobs = self._sample(logits, inputs.sample_req_ids)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
         return ModelRunnerOutput(
             inputs.order, [sampled.get(r, []) for r in inputs.order], logprobs, prompt_logprobs
         )
 
-    def _multimodal_embeds(self, sched: SchedulerOutput, inputs, metas) -> torch.Tensor | None:
+    def _multimodal_embeds(
+        self, sched: SchedulerOutput, inputs, input_ids: torch.Tensor, metas
+    ) -> torch.Tensor | None:
         """Encode this step's images; token embeddings with image features in place."""
         outputs = self.encoder_outputs
         if outputs is None:
@@ -142,7 +147,7 @@ class ModelRunner:
         outputs.encode(scheduled)
         if not any(r in self.mm_features for r in inputs.order):
             return None
-        embeds = self.model.embed_tokens(inputs.input_ids)
+        embeds = self.model.embed_tokens(input_ids)
         counts = inputs.query_start_loc[1:] - inputs.query_start_loc[:-1]
         starts = inputs.seq_lens - counts
         spans = place_image_embeddings(
@@ -169,15 +174,17 @@ class ModelRunner:
         if any(p.logit_bias for p in params):
             for i, p in enumerate(params):
                 if p.logit_bias:
-                    ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
-                    bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+                    ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
+                    bias = torch.tensor(
+                        list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device
+                    )
                     logits[i].index_add_(0, ids, bias)
         if all_greedy and not any(p.needs_penalties for p in params):
             tokens = argmax_rows(logits)  # no per-row sampling state to build
         else:
             tokens = sample(logits, [self._sampling_row(s) for s in states], all_greedy)
         batch_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        token_np = tokens.numpy()
+        token_np = tokens.cpu().numpy()  # the step's one host sync on a device
         self.batch.append_token(batch_rows, token_np)
         token_list = token_np.tolist()
         sampled = {r: [t] for r, t in zip(req_ids, token_list, strict=True)}
@@ -216,6 +223,6 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[start : start + n])
             targets = torch.from_numpy(
                 self.batch.token_ids[state.row, first_pos + 1 : last_pos + 2].copy()
-            )
+            ).to(hidden.device)
             out[req_id] = compute_logprobs(torch.log_softmax(logits, -1), targets, k)
         return out
