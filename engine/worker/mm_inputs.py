@@ -42,7 +42,7 @@ class EncoderOutputs:
                 for f in todo
             ]
         )
-        embeds = self.encoder.encode(pixels)
+        embeds = self.encoder.encode(pixels.to(self.encoder.proj.device))  # the weights' device
         for f, out in zip(todo, embeds, strict=True):
             if out.shape[0] != f.length:
                 raise ValueError(
