@@ -1,0 +1,78 @@
+"""Greedy runs of one checkpoint under each scheduling regime, for one attention backend.
+
+``python attention_backend_runs.py MODEL_DIR BACKEND [--full]`` prints a JSON object
+``{regime: {"tokens": [[...], ...], "preemptions": n, "cached": [...]}}``. It runs in its own
+process so that ``TRITON_INTERPRET=1`` is set before anything imports triton.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if sys.argv[2:3] == ["triton"]:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+
+from epdserve.engine import LLM, SamplingParams  # noqa: E402
+
+BLOCK = 16
+
+
+def prompts(full: bool) -> list[list[int]]:
+    """Different lengths, so short prompts decode while long ones still prefill; the longest
+    plus its output passes Gemma3's 32-token sliding window (and two blocks)."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [30, 5, 12, 44, 9, 2] if full else [30, 5, 12]
+    return [torch.randint(10, 4000, (n,), generator=g).tolist() for n in lengths]
+
+
+def block_bytes(llm) -> int:
+    cfg = llm.engine.model.config
+    return llm.engine.kv_spec.slots * 2 * BLOCK * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+def regimes(full: bool) -> dict[str, dict]:
+    return {
+        # 8-token steps: long prompts prefill in chunks next to others' decodes (mixed batches)
+        "chunked-mixed": {"max_num_batched_tokens": 8},
+        # every prompt twice: the second pass prefills after prefix-cache hits
+        "prefix-hits": {"enable_prefix_caching": True},
+        # too few blocks for all at once: requests are preempted and recomputed
+        # (decodes cross block boundaries: 30 -> 38 and 12 -> 20 tokens)
+        "preemption": {"kv_blocks": 5 if not full else 9},
+    }
+
+
+def run(model: str, backend: str, full: bool) -> dict:
+    max_tokens = 12 if full else 8
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts(full)]
+    results = {}
+    for name, kw in regimes(full).items():
+        kw = dict(kw)
+        blocks = kw.pop("kv_blocks", None)
+        common = dict(dtype="float32", block_size=BLOCK, max_model_len=64, seed=0)
+        llm = LLM(model=model, attention_backend=backend, **common, **kw)
+        if blocks is not None:  # rebuild with a cache of ``blocks`` blocks per group
+            mem = (blocks + 1) * len(llm.engine.kv_spec.groups) * block_bytes(llm)
+            llm = LLM(model=model, attention_backend=backend, kv_cache_memory=mem, **common, **kw)
+        assert llm.engine.model.attention.name == backend
+        outs = llm.generate(batch, greedy)
+        if name == "prefix-hits":
+            outs += llm.generate(batch, greedy)
+        results[name] = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "cached": [o.num_cached_tokens for o in outs],
+            "preemptions": llm.engine.scheduler.num_preemptions,
+            "free_ok": llm.engine.kv.num_free_blocks() == llm.engine.num_blocks - 1,
+        }
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1], sys.argv[2], "--full" in sys.argv[3:])))
