@@ -13,7 +13,8 @@ ROLE_NEEDS = {"prefill": ("is_producer", "kv_producer"), "decode": ("is_consumer
 class EngineConfig:
     model: str
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # cpu | cuda[:N] | auto (cuda when torch sees one, else cpu)
+    gpu_memory_utilization: float = 0.9  # share of the GPU this engine may use (KV sizing)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: enough for max_num_seqs (capped)
     max_num_seqs: int = 256
@@ -37,8 +38,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device: must be 'cpu' or 'cuda', got {self.device!r}")
+        object.__setattr__(self, "device", resolve_device(self.device))
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
@@ -89,3 +93,29 @@ class EngineConfig:
                     f"kv_transfer_config: role {self.role} needs a KV connector with kv_role "
                     f"{kv_role} or kv_both"
                 )
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a CUDA device, else ``cpu``; ``cuda[:N]`` must
+    exist here, so a pod asked for a GPU it does not have fails at start, naming why."""
+    if device == "cpu":
+        return device
+    if device != "auto" and device != "cuda" and not device.startswith("cuda:"):
+        raise ValueError(f"device: must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    import torch
+
+    available = torch.cuda.is_available()
+    if device == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
+        raise ValueError(
+            f"device: {device} was asked for, but torch sees no CUDA device (torch "
+            f"{torch.__version__}, {build}); use --device cpu or run where a GPU is visible"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device: {device} does not exist ({torch.cuda.device_count()} CUDA device(s) here)"
+        )
+    return device

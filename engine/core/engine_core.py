@@ -29,6 +29,7 @@ from epdserve.engine.kv_transfer.setup import (
 from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes
+from epdserve.engine.worker.profiling import gpu_kv_budget
 
 log = logging.getLogger("epdserve.core")
 
@@ -138,8 +139,20 @@ class EngineCore:
         need = 1 + self.kv_spec.blocks_per_request(
             cfg.block_size, self.max_model_len, cfg.max_num_batched_tokens
         )
+        device = torch.device(cfg.device)
         if cfg.kv_cache_memory is not None:
             num = cfg.kv_cache_memory // per_block
+        elif device.type == "cuda":  # what the weights and a profiled largest step leave
+            budget = gpu_kv_budget(self.model, self.kv_spec, cfg, self.max_model_len, device)
+            num = max(budget, 0) // per_block
+            if num < need:
+                raise ValueError(
+                    f"gpu_memory_utilization: {cfg.gpu_memory_utilization} leaves "
+                    f"{max(budget, 0)} bytes for the KV cache, fewer than one "
+                    f"max_model_len={self.max_model_len} sequence needs ({need} blocks of "
+                    f"{per_block} bytes); raise it, or lower max_model_len or "
+                    "max_num_batched_tokens"
+                )
         else:
             num = min(cfg.max_num_seqs * (need - 1) + 1, DEFAULT_KV_CACHE_CAP // per_block)
         if num < need:

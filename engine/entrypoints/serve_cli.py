@@ -42,7 +42,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_env("dtype", "float32"),
         choices=("float32", "bfloat16", "float16", "auto"),
     )
-    p.add_argument("--device", default=_env("device", "cpu"))
+    p.add_argument(
+        "--device",
+        default=_env("device", "auto"),
+        help="auto (cuda when torch sees one, else cpu), cpu or cuda[:N]",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=float(_env("gpu_memory_utilization", 0.9)),
+        help="share of the GPU's memory this engine may use; the KV cache gets what the "
+        "weights and a profiled forward leave (--kv-cache-memory wins when given)",
+    )
     p.add_argument(
         "--attention-backend",
         choices=("triton", "native", "torch"),
@@ -144,6 +155,7 @@ def engine_config(args: argparse.Namespace):
         model=args.model,
         dtype=dtype,
         device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,

@@ -55,3 +55,26 @@ def test_an_engine_that_cannot_start_ends_the_process(models):
             proc.kill()
     assert proc.returncode != 0
     assert "kv_cache_memory" in output
+
+
+def test_asking_for_cuda_without_one_fails_at_start_naming_why(models):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    proc, _ = serve(str(models.get("llama")), "--device", "cuda")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "device: cuda was asked for, but torch sees no CUDA device" in output
+    assert "Traceback" not in output
+
+
+def test_device_auto_is_the_cpu_here_and_the_default(models):
+    import torch
+
+    from epdserve.engine.config import EngineConfig
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert EngineConfig(model=str(models.get("llama"))).device == expected
+    assert EngineConfig(model=str(models.get("llama")), device="auto").device == expected
