@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import math
 
-from epdserve.operator import meta
+from epdserve.operator import meta, source
+from epdserve.operator.gpu import device_env
 from epdserve.operator.spec import SERVE_ROLE, PoolSpec
 from epdserve.operator.transfer import ec_transfer_config, kv_events_config, kv_transfer_config
 
@@ -76,8 +77,9 @@ def engine_env(pool: PoolSpec, role: str) -> list[dict]:
         {"name": "EPDSERVE_POOL", "value": pool.name},
         _from_config("EPDSERVE_HASH_SEED", config_map, "hash-seed"),
         {"name": "HOME", "value": "/tmp"},
-        {"name": "HF_HOME", "value": "/var/cache/huggingface"},
+        {"name": "HF_HOME", "value": source.HF_HOME},
     ]
+    env += source.offline_env(pool.model_hf) + device_env(pool, role)
     if pool.kv_events and role != "encoder":  # encoder pods hold no KV cache
         env.append(
             {"name": "EPDSERVE_KV_EVENTS_CONFIG", "value": json.dumps(kv_events_config(pool))}
@@ -143,12 +145,12 @@ def model_volumes(pool: PoolSpec) -> tuple[list[dict], list[dict]]:
 def _volumes(pool: PoolSpec) -> tuple[list[dict], list[dict]]:
     volumes = [
         {"name": "tmp", "emptyDir": {}},
-        {"name": "hf-cache", "emptyDir": {}},
+        source.cache_volume(pool.model_hf),
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
     mounts = [
         {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "hf-cache", "mountPath": "/var/cache/huggingface"},
+        source.cache_mount(),
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     model_vols, model_mounts = model_volumes(pool)
@@ -196,6 +198,9 @@ def build_engine_deployment(pool: PoolSpec, role: str, config_hash: str = "") ->
         "volumes": volumes,
         "terminationGracePeriodSeconds": 60,
     }
+    if pool.model_hf:
+        init = source.download_init_container(pool.image, pool.pull_policy, pool.model_hf)
+        pod_spec["initContainers"] = [init]
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epdserve.operator import meta
+from epdserve.operator import meta, source
 from epdserve.operator.engine import api_key_env, downward_env, model_volumes
 from epdserve.operator.spec import PoolSpec
 
@@ -77,7 +77,7 @@ def router_command(pool: PoolSpec) -> list[str]:
         "--port",
         str(meta.HTTP_PORT),
         "--model",
-        pool.model_arg,
+        source.ROUTER_MODEL_LINK if pool.model_hf else pool.model_arg,
         "--served-model-name",
         pool.served_name,
         "--strategy",
@@ -108,14 +108,14 @@ def build_router_deployment(pool: PoolSpec) -> dict:
         + [
             {"name": "EPDSERVE_POOL", "value": pool.name},
             {"name": "HOME", "value": "/tmp"},
-            {"name": "HF_HOME", "value": "/var/cache/huggingface"},
+            {"name": "HF_HOME", "value": source.HF_HOME},
         ]
         + api_key_env(pool),
         "ports": [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}],
         "resources": dict(router.resources),
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "hf-cache", "mountPath": "/var/cache/huggingface"},
+            source.cache_mount(),
             *model_mounts,
         ],
         "securityContext": meta.container_security_context(),
@@ -129,10 +129,14 @@ def build_router_deployment(pool: PoolSpec) -> dict:
         "containers": [container],
         "volumes": [
             {"name": "tmp", "emptyDir": {}},
-            {"name": "hf-cache", "emptyDir": {}},
+            source.cache_volume(pool.model_hf),
             *model_vols,
         ],
     }
+    if pool.model_hf:  # the engine image downloads (the router image may lack the hub client)
+        link = source.ROUTER_MODEL_LINK
+        init = source.download_init_container(pool.image, pool.pull_policy, pool.model_hf, link)
+        pod_spec["initContainers"] = [init]
     if router.node_selector:
         pod_spec["nodeSelector"] = dict(router.node_selector)
     if router.tolerations:

@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from epdserve.operator.errors import InvalidSpec
+from epdserve.operator.gpu import role_gpus, validate_device, with_gpus
 from epdserve.operator.quantity import parse_bytes
+from epdserve.operator.source import HubSource, parse_hub_source
 
 GROUP = "epdserve.io"
 VERSION = "v1alpha1"
@@ -24,10 +27,6 @@ STRATEGIES = ("round-robin", "least-load", "prefix", "prefix+load")
 DEFAULT_TTL_S = 3600  # stored KV blocks / encoder outputs expire after an hour by default
 
 
-class InvalidSpec(ValueError):
-    """A spec the schema accepts but the operator cannot realise; the message names the field."""
-
-
 @dataclass(frozen=True)
 class RoleSpec:
     """One role's pods."""
@@ -38,6 +37,7 @@ class RoleSpec:
     env: tuple[dict, ...] = ()
     node_selector: dict = field(default_factory=dict)
     tolerations: tuple[dict, ...] = ()
+    gpus: int = 0  # nvidia.com/gpu per pod (from `gpus` or the resources)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class PoolSpec:
     served_name: str
     model_pvc: tuple[str, str] | None  # (claim, path inside)
     model_path: str | None
-    model_hf: str | None
+    model_hf: HubSource | None
     image: str
     pull_policy: str
     pull_secrets: tuple[str, ...]
@@ -94,6 +94,8 @@ class PoolSpec:
     router: RouterSpec
     service_monitor: dict | None  # {"interval": ..., "labels": {...}} when enabled
     network_policy: bool = True  # fence the KV-event and Redis ports to the pool's pods
+    device: str = "auto"  # auto: cuda for roles with GPUs, the engine's own choice otherwise
+    gpu_memory_utilization: float = 0.9
 
     @property
     def model_arg(self) -> str:
@@ -101,7 +103,7 @@ class PoolSpec:
         if self.model_pvc:
             claim, path = self.model_pvc
             return "/models/" + path.strip("/") if path.strip("/") else "/models"
-        return self.model_path or self.model_hf or ""
+        return self.model_path or (self.model_hf.id if self.model_hf else "")
 
     @property
     def disaggregated(self) -> bool:
@@ -117,10 +119,13 @@ def _resources(raw: dict | None) -> dict:
     }
 
 
-def _role(raw: dict) -> RoleSpec:
+def _role(raw: dict, where: str) -> RoleSpec:
+    resources = _resources(raw.get("resources"))
+    gpus = role_gpus(raw, resources, where)
     return RoleSpec(
         replicas=int(raw.get("replicas", 1)),
-        resources=_resources(raw.get("resources")),
+        resources=with_gpus(resources, gpus),
+        gpus=gpus,
         args=tuple(raw.get("args") or ()),
         env=tuple(raw.get("env") or ()),
         node_selector=dict(raw.get("nodeSelector") or {}),
@@ -189,7 +194,11 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
     model = spec.get("model") or {}
     source = model.get("source") or {}
     engine = spec.get("engine") or {}
-    roles = {r: _role(v or {}) for r, v in (spec.get("roles") or {}).items() if r in ROLES}
+    roles = {
+        r: _role(v or {}, f"spec.roles.{r}")
+        for r, v in (spec.get("roles") or {}).items()
+        if r in ROLES
+    }
     cache = _cache(spec.get("cache") or {})
     router = spec.get("router") or {}
     service = router.get("service") or {}
@@ -206,7 +215,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
         served_name=model["name"],
         model_pvc=(pvc["claimName"], pvc.get("path", "")) if pvc else None,
         model_path=source.get("path"),
-        model_hf=source.get("huggingFace"),
+        model_hf=parse_hub_source(source.get("huggingFace")),
         image=engine["image"],
         pull_policy=engine.get("imagePullPolicy", "IfNotPresent"),
         pull_secrets=tuple(engine.get("imagePullSecrets") or ()),
@@ -237,6 +246,8 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
             else None
         ),
         network_policy=bool((spec.get("networkPolicy") or {}).get("enabled", True)),
+        device=engine.get("device", "auto"),
+        gpu_memory_utilization=float(engine.get("gpuMemoryUtilization", 0.9)),
     )
     validate(pool)
     return pool
@@ -261,6 +272,7 @@ def validate(pool: PoolSpec) -> None:
         missing = sorted({"prefill", "decode"} - roles)
         raise InvalidSpec(f"spec.roles: a disaggregated pool needs {' and '.join(missing)} too")
     _validate_cache(pool)
+    validate_device(pool)
     if pool.router.strategy not in STRATEGIES:
         raise InvalidSpec(f"spec.router.strategy: unknown strategy {pool.router.strategy!r}")
 

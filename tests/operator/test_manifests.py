@@ -70,6 +70,11 @@ VARIANTS = {
     "pd-redis": lambda: example("pd-redis"),
     "epd-multimodal": lambda: example("epd-multimodal"),
     "external-redis": external_redis_pool,
+    "gpu-pool": lambda: example("gpu-pool"),
+    "hub-host-path": lambda: pool_body(
+        "hub",
+        model={"name": "m", "source": {"huggingFace": {"id": "a/b", "cache": {"hostPath": "/h"}}}},
+    ),
 }
 
 

@@ -26,7 +26,7 @@ def test_defaults_fill_a_minimal_colocated_pool():
         ({"pvc": {"claimName": "w", "path": "llama/8b/"}}, "/models/llama/8b"),
         ({"pvc": {"claimName": "w"}}, "/models"),
         ({"path": "/opt/model"}, "/opt/model"),
-        ({"huggingFace": "Qwen/Qwen3-0.6B"}, "Qwen/Qwen3-0.6B"),
+        ({"huggingFace": {"id": "Qwen/Qwen3-0.6B"}}, "Qwen/Qwen3-0.6B"),
     ],
 )
 def test_model_argument_follows_the_source(source, model_arg):
@@ -67,7 +67,7 @@ def test_invalid_combinations_raise_naming_the_field(roles, cache, field):
 
 def test_two_model_sources_are_invalid():
     body = pool_body()
-    body["spec"]["model"]["source"] = {"path": "/m", "huggingFace": "a/b"}
+    body["spec"]["model"]["source"] = {"path": "/m", "huggingFace": {"id": "a/b"}}
     with pytest.raises(InvalidSpec, match="exactly one of pvc, path, huggingFace"):
         parse_pool(body)
 
