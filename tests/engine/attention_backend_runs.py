@@ -1,7 +1,7 @@
 """Greedy runs of one checkpoint under each scheduling regime, for one attention backend.
 
 ``python attention_backend_runs.py MODEL_DIR BACKEND [--full]`` prints a JSON object
-``{regime: {"tokens": [[...], ...], "preemptions": n, "cached": [...]}}``. It runs in its own
+``{regime: {"tokens": [[...], ...], "logprobs": [[...], ...], "preemptions": n, ...}}``. It runs in its own
 process so that ``TRITON_INTERPRET=1`` is set before anything imports triton.
 """
 
@@ -27,7 +27,7 @@ def prompts(full: bool) -> list[list[int]]:
     """Different lengths, so short prompts decode while long ones still prefill; the longest
     plus its output passes Gemma3's 32-token sliding window (and two blocks)."""
     g = torch.Generator().manual_seed(7)
-    lengths = [30, 5, 12, 44, 9, 2] if full else [30, 5, 12]
+    lengths = [47, 5, 12, 40, 9, 2] if full else [47, 5, 12]
     return [torch.randint(10, 4000, (n,), generator=g).tolist() for n in lengths]
 
 
@@ -43,14 +43,14 @@ def regimes(full: bool) -> dict[str, dict]:
         # every prompt twice: the second pass prefills after prefix-cache hits
         "prefix-hits": {"enable_prefix_caching": True},
         # too few blocks for all at once: requests are preempted and recomputed
-        # (decodes cross block boundaries: 30 -> 38 and 12 -> 20 tokens)
+        # (decodes cross block boundaries: 47 -> 55 and 12 -> 20 tokens)
         "preemption": {"kv_blocks": 5 if not full else 9},
     }
 
 
 def run(model: str, backend: str, full: bool) -> dict:
     max_tokens = 12 if full else 8
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     batch = [{"prompt_token_ids": p} for p in prompts(full)]
     results = {}
     for name, kw in regimes(full).items():
@@ -67,6 +67,15 @@ def run(model: str, backend: str, full: bool) -> dict:
             outs += llm.generate(batch, greedy)
         results[name] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
+            # the chosen tokens' logprobs: random tiny models repeat tokens, so these carry
+            # the finer signal (a dropped sliding window moves them by ~0.4)
+            "logprobs": [
+                [
+                    lp[t].logprob
+                    for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+                ]
+                for o in outs
+            ],  # fmt: skip
             "cached": [o.num_cached_tokens for o in outs],
             "preemptions": llm.engine.scheduler.num_preemptions,
             "free_ok": llm.engine.kv.num_free_blocks() == llm.engine.num_blocks - 1,

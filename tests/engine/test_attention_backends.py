@@ -23,7 +23,7 @@ from epdserve.kernels.backends import (
 )
 
 RUNS = Path(__file__).with_name("attention_backend_runs.py")
-LONGEST_CONTEXT = 30 + 8  # the runner's longest prompt plus its output tokens
+LONGEST_CONTEXT = 47 + 8  # the runner's longest prompt plus its output tokens
 
 
 def test_every_backend_name_builds_its_backend():
@@ -124,6 +124,8 @@ def assert_token_exact(models, arch: str, full: bool) -> None:
     got = greedy_runs(path, "triton", full)
     for regime, ref in want.items():
         assert got[regime]["tokens"] == ref["tokens"], f"{arch}: triton differs in {regime}"
+        for seq, (a, b) in enumerate(zip(got[regime]["logprobs"], ref["logprobs"], strict=True)):
+            assert a == pytest.approx(b, abs=1e-4), f"{arch} {regime}: logprobs of seq {seq}"
         assert got[regime]["free_ok"] and ref["free_ok"], f"{arch}: KV blocks leaked in {regime}"
     assert got["preemption"]["preemptions"] > 0
     cached = got["prefix-hits"]["cached"]
