@@ -131,3 +131,35 @@ def test_serve_with_an_unknown_id_exits_at_start_naming_it(hub_cache):
     out = epdserve("serve", "org/unknown", "--port", "0", env=offline_env(cache))
     assert out.returncode != 0
     assert "model 'org/unknown'" in out.stderr and "not in the HuggingFace cache" in out.stderr
+
+
+def test_the_operators_download_init_container_runs_as_built(hub_cache, tmp_path):
+    """The pod contract end to end: the router pod's init container command, with its env
+    (HF_HOME remapped onto the test cache), fills the link the router reads."""
+    from epdserve.operator.router import build_router_deployment
+    from epdserve.operator.spec import parse_pool
+
+    cache, snapshot = hub_cache
+    hub = {"id": REPO_ID, "revision": "main"}
+    body = {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+        "spec": {
+            "model": {"name": "tiny", "source": {"huggingFace": hub}},
+            "engine": {"image": "img:1"},
+            "roles": {"colocated": {}},
+        },
+    }
+    pod = build_router_deployment(parse_pool(body))["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    command = [tmp_path / "model" if c == "/tmp/model" else c for c in init["command"]]
+    env = offline_env(cache)
+    env.pop("HF_HUB_CACHE")
+    hf_home = tmp_path / "hf"
+    hf_home.mkdir()
+    (hf_home / "hub").symlink_to(cache)  # HF_HOME/hub is the hub cache
+    env.update({e["name"]: e["value"] for e in init["env"] if "value" in e})
+    env.update(HOME=str(tmp_path), HF_HOME=str(hf_home))
+    assert command[:2] == ["epdserve", "download"]
+    out = epdserve(*map(str, command[1:]), env=env)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "model").resolve() == snapshot.resolve()
