@@ -3,6 +3,8 @@
 ``<op>_ref`` is the torch twin, ``<op>_triton`` the Triton launcher. Triton is imported
 lazily (inside the launchers), so this module imports without triton installed. Set
 ``TRITON_INTERPRET=1`` before the first launcher call to run the Triton code on CPU tensors.
+The engine's model does not dispatch here for attention and cache writes: it calls the
+backend chosen at load (``backends.py``: ``triton``, ``native`` or ``torch``).
 """
 
 from __future__ import annotations
