@@ -231,11 +231,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         from epdserve.engine.model_source import resolve_model
 
+        engine_config(args)  # flags first: a bad one is named before any download
+        limits, image_limits = request_limits(args)
         # a hub id names the model; every component below reads the local snapshot
         args.served_model_name = args.served_model_name or args.model
         args.model = resolve_model(args.model, args.revision)
         config = engine_config(args)
-        limits, image_limits = request_limits(args)
     except ValueError as exc:
         raise SystemExit(f"epdserve serve: {exc}") from exc
     name = args.served_model_name or args.model
