@@ -13,7 +13,9 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if sys.argv[2:3] == ["triton"]:
+# EPDSERVE_TEST_DEVICE=cuda (bench/gpu_check.sh) runs both backends on the GPU instead
+DEVICE = os.environ.get("EPDSERVE_TEST_DEVICE", "cpu")
+if sys.argv[2:3] == ["triton"] and DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
@@ -56,7 +58,7 @@ def run(model: str, backend: str, full: bool) -> dict:
     for name, kw in regimes(full).items():
         kw = dict(kw)
         blocks = kw.pop("kv_blocks", None)
-        common = dict(dtype="float32", block_size=BLOCK, max_model_len=64, seed=0)
+        common = dict(dtype="float32", block_size=BLOCK, max_model_len=64, seed=0, device=DEVICE)
         llm = LLM(model=model, attention_backend=backend, **common, **kw)
         if blocks is not None:  # rebuild with a cache of ``blocks`` blocks per group
             mem = (blocks + 1) * len(llm.engine.kv_spec.groups) * block_bytes(llm)
