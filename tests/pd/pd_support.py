@@ -105,3 +105,18 @@ def answer(response: dict) -> tuple[str, list[str]]:
 def loadable_tokens(prompt: list[int]) -> int:
     """Tokens of whole blocks a decode pod may load: never the prompt's last token."""
     return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def engine_core(path, role: str | None = None, volume=None, **extra):
+    """An in-process engine core (fp32, 512 tokens); ``role`` prefill/decode adds a
+    shared-storage KV connector on ``volume``."""
+    from epdserve.engine.config import EngineConfig
+    from epdserve.engine.core.engine_core import EngineCore
+
+    kwargs = dict(model=str(path), dtype="float32", max_model_len=512, **extra)
+    if role is not None:
+        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        transfer = {"kv_connector": "SharedStorageConnector", "kv_role": kv_role}
+        transfer["kv_connector_extra_config"] = {"path": str(volume)}
+        kwargs.update(role=role, kv_transfer_config=json.dumps(transfer))
+    return EngineCore(EngineConfig(**kwargs))

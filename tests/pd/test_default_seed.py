@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import json
 
-from pd_support import prompts
+from pd_support import engine_core, prompts
 
-from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.sampling_params import SamplingParams
 
-
-def core(path, role=None, volume=None, **extra) -> EngineCore:
-    kwargs = dict(model=str(path), dtype="float32", max_model_len=512, **extra)
-    if role is not None:
-        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-        transfer = {"kv_connector": "SharedStorageConnector", "kv_role": kv_role}
-        transfer["kv_connector_extra_config"] = {"path": str(volume)}
-        kwargs.update(role=role, kv_transfer_config=json.dumps(transfer))
-    return EngineCore(EngineConfig(**kwargs))
+core = engine_core
 
 
 def finish(engine: EngineCore, req: EngineCoreRequest) -> list:

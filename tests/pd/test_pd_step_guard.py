@@ -4,12 +4,9 @@ into a batch that holds loads and saves."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from pd_support import prompts
+from pd_support import engine_core, prompts
 
-from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.sampling_params import SamplingParams
 
@@ -17,13 +14,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def core(path, role: str | None = None, volume=None) -> EngineCore:
-    kwargs = dict(model=str(path), dtype="float32", max_model_len=512, hash_seed="7")
-    if role is not None:
-        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-        transfer = {"kv_connector": "SharedStorageConnector", "kv_role": kv_role}
-        transfer["kv_connector_extra_config"] = {"path": str(volume)}
-        kwargs.update(role=role, kv_transfer_config=json.dumps(transfer))
-    return EngineCore(EngineConfig(**kwargs))
+    return engine_core(path, role, volume, hash_seed="7")
 
 
 def run(engine: EngineCore, requests: list[EngineCoreRequest]) -> dict:
