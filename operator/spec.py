@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from epdserve.operator.autoscaling import (
+    AutoscalingSpec,
+    RoleAutoscaling,
+    parse_autoscaling,
+    parse_role_autoscaling,
+)
 from epdserve.operator.errors import InvalidSpec
 from epdserve.operator.gpu import role_gpus, validate_device, with_gpus
 from epdserve.operator.quantity import parse_bytes
@@ -38,6 +44,7 @@ class RoleSpec:
     node_selector: dict = field(default_factory=dict)
     tolerations: tuple[dict, ...] = ()
     gpus: int = 0  # nvidia.com/gpu per pod (from `gpus` or the resources)
+    autoscaling: RoleAutoscaling | None = None  # None: a fixed `replicas`
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ class PoolSpec:
     network_policy: bool = True  # fence the KV-event and Redis ports to the pool's pods
     device: str = "auto"  # auto: cuda for roles with GPUs, the engine's own choice otherwise
     gpu_memory_utilization: float = 0.9
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
 
     @property
     def model_arg(self) -> str:
@@ -130,6 +138,7 @@ def _role(raw: dict, where: str) -> RoleSpec:
         env=tuple(raw.get("env") or ()),
         node_selector=dict(raw.get("nodeSelector") or {}),
         tolerations=tuple(raw.get("tolerations") or ()),
+        autoscaling=parse_role_autoscaling(raw.get("autoscaling"), where),
     )
 
 
@@ -248,6 +257,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
         network_policy=bool((spec.get("networkPolicy") or {}).get("enabled", True)),
         device=engine.get("device", "auto"),
         gpu_memory_utilization=float(engine.get("gpuMemoryUtilization", 0.9)),
+        autoscaling=parse_autoscaling(spec.get("autoscaling")),
     )
     validate(pool)
     return pool
