@@ -127,6 +127,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=float(_env("media_fetch_timeout", 10.0)),
         help="seconds an image fetch may take",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(_env("drain_timeout", 30)),
+        help="seconds in-flight requests may take to finish after SIGTERM (scale-down)",
+    )
     p.add_argument("--log-level", default=_env("log_level", "info"))
     p.add_argument(
         "--log-format",
@@ -215,9 +221,8 @@ def _json_flag(text: str | None, name: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from epdserve.engine.entrypoints.openai.api_server import ServerState, build_app
+    from epdserve.engine.entrypoints.openai.drain import serve
     from epdserve.engine.logs import setup_logging
 
     # the engine-core process inherits these and logs the same way
@@ -233,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
 
         engine_config(args)  # flags first: a bad one is named before any download
         limits, image_limits = request_limits(args)
+        if args.drain_timeout < 0:
+            raise ValueError("drain_timeout: must be non-negative")
         # a hub id names the model; every component below reads the local snapshot
         args.served_model_name = args.served_model_name or args.model
         args.model = resolve_model(args.model, args.revision)
@@ -241,12 +248,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"epdserve serve: {exc}") from exc
     name = args.served_model_name or args.model
     state = ServerState(config, name, args.api_key, limits, image_limits)
-    uvicorn.run(
+    serve(
         build_app(state),
+        state,
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
-        log_config=None,  # uvicorn's loggers go through ours (same format)
         access_log=args.access_log,
+        drain_timeout=args.drain_timeout,
     )
     return 0

@@ -65,6 +65,7 @@ class ServerState:
                 processor_kwargs=config.mm_processor_kwargs,
             )
         self.ready = False
+        self.draining = False  # set on SIGTERM (drain.py): out of rotation, streams finish
         self.created = int(time.time())
 
     async def start(self) -> None:
@@ -81,6 +82,8 @@ class ServerState:
         log.info("ready: serving %s", self.model_name)
 
     def require_engine(self) -> None:
+        if self.draining:  # a 503 up front: the router retries it on another pod
+            raise APIError(503, "draining: this pod is shutting down")
         if self.engine.dead:
             raise APIError(503, f"engine unavailable: {self.engine.dead}")
 
@@ -155,7 +158,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/ready")
     async def ready():
-        ok = state.ready and state.engine.healthy
+        ok = state.ready and state.engine.healthy and not state.draining
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @app.get("/version")
