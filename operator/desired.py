@@ -20,8 +20,11 @@ OWNED_KINDS = (
 )
 
 
-def desired_objects(pool: PoolSpec) -> list[dict]:
-    """Every child of the pool except the create-once Redis Secret, in apply order."""
+def desired_objects(pool: PoolSpec, replicas: dict[str, int] | None = None) -> list[dict]:
+    """Every child of the pool except the create-once Redis Secret, in apply order.
+
+    `replicas` overrides the size of autoscaled roles (what the autoscaler decided).
+    """
     config_map = engine.build_config_map(pool)
     config_hash = meta.digest(config_map["data"])
     objects = [
@@ -36,16 +39,23 @@ def desired_objects(pool: PoolSpec) -> list[dict]:
     for role in ROLES:
         if role in pool.roles:
             objects.append(engine.build_role_service(pool, role))
-            objects.append(engine.build_engine_deployment(pool, role, config_hash))
+            deployment = engine.build_engine_deployment(pool, role, config_hash)
+            if replicas and role in replicas:
+                deployment["spec"]["replicas"] = replicas[role]
+                meta.stamp(deployment)  # the hash covers the size
+            objects.append(deployment)
     objects += [router.build_router_deployment(pool), router.build_router_service(pool)]
     if (monitor := router.build_service_monitor(pool)) is not None:
         objects.append(monitor)
     return objects
 
 
-def desired_replicas(pool: PoolSpec) -> dict[str, tuple[str, int]]:
+def desired_replicas(
+    pool: PoolSpec, replicas: dict[str, int] | None = None
+) -> dict[str, tuple[str, int]]:
     """Status key -> (Deployment name, desired replicas) for every Deployment of the pool."""
-    out = {role: (meta.name_of(pool, role), pool.roles[role].replicas) for role in pool.roles}
+    sizes = {role: spec.replicas for role, spec in pool.roles.items()} | (replicas or {})
+    out = {role: (meta.name_of(pool, role), sizes[role]) for role in pool.roles}
     out["router"] = (meta.name_of(pool, "router"), pool.router.replicas)
     if pool.cache.backend == "redis" and pool.cache.redis_managed:
         out["redis"] = (meta.name_of(pool, "redis"), 1)

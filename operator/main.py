@@ -11,6 +11,7 @@ import os
 
 import kopf
 
+from epdserve.operator.autoscaler import Autoscaler
 from epdserve.operator.kube import Kube, load_configuration
 from epdserve.operator.meta import MANAGED_BY as MANAGER
 from epdserve.operator.meta import POOL_LABEL
@@ -42,7 +43,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     settings.watching.reconnect_backoff = 1.0
     settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
     memo.kube = Kube()
-    memo.resyncer = Resyncer(memo.kube, RESYNC_SECONDS)
+    memo.resyncer = Resyncer(memo.kube, RESYNC_SECONDS, Autoscaler(memo.kube))
     memo.resyncer.start()
 
 

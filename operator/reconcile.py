@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epdserve.operator import cache, meta, router
+from epdserve.operator.autoscaler import held_replicas
 from epdserve.operator.desired import OWNED_KINDS, desired_objects, desired_replicas
 from epdserve.operator.kube import ApiError, Kube
 from epdserve.operator.spec import InvalidSpec, PoolSpec, parse_pool
@@ -118,12 +119,13 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
     outcome = Outcome(status={})
     try:
         live, unserved = list_children(kube, pool)
-        _apply_all(kube, pool, live, unserved, outcome, announce)
+        held = held_replicas(pool, live)  # autoscaled roles keep the autoscaler's size
+        _apply_all(kube, pool, live, unserved, outcome, announce, held)
     except ApiError as exc:
         if exc.transient:
             return Outcome(status={}, retry="temporary", error=str(exc))
         return _degraded("ApplyFailed", str(exc), generation, old_status, now, announce)
-    replicas = desired_replicas(pool)
+    replicas = desired_replicas(pool, held)
     deployments = {name: d for (kind, name), d in live.items() if kind == "Deployment"}
     status = pool_status(
         counts_for(replicas, deployments),
@@ -133,14 +135,16 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
         old_status.get("conditions"),
         now,
     )
+    if old_status.get("autoscaling"):  # the autoscaler's last decisions, written by it
+        status["autoscaling"] = old_status["autoscaling"]
     outcome.status = status
     if is_transition(old_status, status, "Ready") and status["phase"] == "Ready":
         outcome.events.append(("Normal", "Ready", f"all pods ready; endpoint {status['endpoint']}"))
     return outcome
 
 
-def _apply_all(kube, pool, live, unserved, outcome, announce) -> None:
-    objects = desired_objects(pool)
+def _apply_all(kube, pool, live, unserved, outcome, announce, held) -> None:
+    objects = desired_objects(pool, held)
     keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
     if pool.cache.backend == "redis" and pool.cache.redis_managed:
         secret = meta.name_of(pool, "redis")

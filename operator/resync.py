@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 
+from epdserve.operator.autoscaler import Autoscaler, safe_step
 from epdserve.operator.kube import ApiError, Kube, object_path
 from epdserve.operator.reconcile import Outcome, reconcile
 from epdserve.operator.spec import GROUP, KIND, PLURAL, VERSION
@@ -35,9 +36,10 @@ def watched_namespaces() -> list[str]:
 class Resyncer:
     """Serialises reconciles per pool and runs the periodic pass in a worker thread."""
 
-    def __init__(self, kube: Kube, interval: float):
+    def __init__(self, kube: Kube, interval: float, autoscaler: Autoscaler | None = None):
         self.kube = kube
         self.interval = interval
+        self.autoscaler = autoscaler  # runs after each reconcile of a pool; None: off
         self.locks: dict[tuple[str, str], threading.Lock] = collections.defaultdict(threading.Lock)
         self.dirty: set[tuple[str, str]] = set()
         self.wakeup = asyncio.Event()
@@ -99,6 +101,11 @@ class Resyncer:
             meta = body["metadata"]
             with self.lock(meta["namespace"], meta["name"]):
                 outcome = reconcile(self.kube, body, now(), announce=False)
+                if outcome.retry is None:
+                    scaled, events = safe_step(self.autoscaler, body, now())
+                    if scaled:
+                        outcome.status["autoscaling"] = scaled
+                    outcome.events += events
             self.report(body, outcome)
 
     def report(self, body: dict, outcome: Outcome) -> None:
