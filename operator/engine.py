@@ -133,6 +133,39 @@ def engine_command(pool: PoolSpec, role: str) -> list[str]:
     ]
 
 
+PRESTOP_SLEEP_S = 5  # time for EndpointSlices and the router to drop a terminating pod
+DRAIN_TIMEOUT_S = 30.0  # `epdserve serve --drain-timeout` default
+STOP_MARGIN_S = 15  # engine-core shutdown after the drain, before the kubelet's SIGKILL
+
+
+def drain_timeout(pool: PoolSpec, role: str) -> float:
+    """The pod's drain time: `--drain-timeout` in the role's args, else its env, else 30s
+    (a value serve would refuse counts as the default: that pod never starts anyway)."""
+    args = list(pool.roles[role].args)
+    found = None
+    for i, arg in enumerate(args):
+        if arg == "--drain-timeout" and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith("--drain-timeout="):
+            found = arg.partition("=")[2]
+    if found is None:
+        env = {e.get("name"): e.get("value") for e in pool.roles[role].env}
+        found = env.get("EPDSERVE_DRAIN_TIMEOUT")
+    try:
+        value = float(found) if found else DRAIN_TIMEOUT_S
+    except ValueError:
+        return DRAIN_TIMEOUT_S
+    return value if 0 <= value < math.inf else DRAIN_TIMEOUT_S
+
+
+def graceful_stop(pool: PoolSpec, role: str) -> tuple[dict, int]:
+    """(container lifecycle, terminationGracePeriodSeconds) of a scale-down: the preStop
+    sleep runs while the pod leaves the Service and the router; then SIGTERM drains it."""
+    lifecycle = {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}}
+    grace = PRESTOP_SLEEP_S + math.ceil(drain_timeout(pool, role)) + STOP_MARGIN_S
+    return lifecycle, grace
+
+
 def model_volumes(pool: PoolSpec) -> tuple[list[dict], list[dict]]:
     """(volumes, mounts) for the model PVC (read-only at /models), when the model is on one."""
     if not pool.model_pvc:
@@ -176,6 +209,7 @@ def build_engine_deployment(pool: PoolSpec, role: str, config_hash: str = "") ->
     spec = pool.roles[role]
     selector = {meta.POOL_LABEL: pool.name, meta.ROLE_LABEL: role}
     volumes, mounts = _volumes(pool)
+    lifecycle, grace = graceful_stop(pool, role)
     container = {
         "name": "engine",
         "image": pool.image,
@@ -189,6 +223,7 @@ def build_engine_deployment(pool: PoolSpec, role: str, config_hash: str = "") ->
         "startupProbe": meta.http_probe("/health", period=10, failures=90),
         "livenessProbe": meta.http_probe("/health", period=10, failures=3),
         "readinessProbe": meta.http_probe("/ready", period=5, failures=3),
+        "lifecycle": lifecycle,
     }
     pod_spec = {
         "automountServiceAccountToken": False,
@@ -196,7 +231,7 @@ def build_engine_deployment(pool: PoolSpec, role: str, config_hash: str = "") ->
         "securityContext": meta.pod_security_context(),
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": grace,
     }
     if pool.model_hf:
         init = source.download_init_container(pool.image, pool.pull_policy, pool.model_hf)
