@@ -172,7 +172,7 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        router.metrics.index_blocks.set(len(router.index))
+        router.update_index_gauges()
         return Response(
             router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )

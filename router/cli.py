@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--load-weight", type=float, default=1.0, help="prefix+load: weight of queue depth")
     a("--kv-weight", type=float, default=0.5, help="prefix+load: weight of free KV cache")
     a(
+        "--store-weight",
+        type=float,
+        default=1.0,
+        help="prefix+load: weight of prefix blocks loadable from the pool's shared store "
+        "(at most --prefix-weight: a local hit beats a store hit)",
+    )
+    a(
         "--balance-threshold",
         type=float,
         default=4.0,
@@ -147,6 +154,7 @@ def build(args: argparse.Namespace):
             load_weight=args.load_weight,
             kv_weight=args.kv_weight,
             balance_threshold=args.balance_threshold,
+            store_weight=args.store_weight,
         )
     strategy = make_strategy(args.strategy, **weights)
     tokenizer = PromptTokenizer(args.model) if args.model else None

@@ -5,6 +5,10 @@ Each ``BlockStored`` is turned into router keys from its parent's key and its to
 the index remembers, per pod, engine hash -> key so ``BlockRemoved`` can evict and children
 can chain. Memory is bounded: at most
 ``capacity`` keys, least recently stored or matched first out.
+
+Two tiers, told apart by the events' ``medium``: ``local`` (the pod's own device or host
+cache; vLLM's "GPU"/"CPU") and ``store`` (``medium == "STORE"``: blocks the pod saved to the
+pool's shared store, which every pod of the pool can load).
 """
 
 from __future__ import annotations
@@ -14,8 +18,22 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from epdserve.connectors.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from epdserve.connectors.kv_events import (
+    STORE_MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 from epdserve.router.keys import chain_keys, first_block_salt, root_key, token_bytes
+
+LOCAL, STORE = "local", "store"
+TIERS = (LOCAL, STORE)
+
+
+def tier_of(medium: str | None) -> str:
+    """The index tier of an event's ``medium``."""
+    return STORE if medium == STORE_MEDIUM else LOCAL
 
 
 @dataclass
@@ -47,8 +65,9 @@ class PrefixIndex:
         if capacity < 1:
             raise ValueError("index capacity must be >= 1")
         self.capacity = capacity
-        self._entries: OrderedDict[int, dict[str, int]] = OrderedDict()  # key -> pod -> hash
-        self._pods: dict[str, _PodBlocks] = {}
+        # key -> (pod, tier) -> engine hash
+        self._entries: OrderedDict[int, dict[tuple[str, str], int]] = OrderedDict()
+        self._pods: dict[tuple[str, str], _PodBlocks] = {}  # (pod, tier) -> its blocks
         self._lock = threading.Lock()
         self.evicted = 0  # keys dropped by the capacity bound
 
@@ -58,12 +77,12 @@ class PrefixIndex:
     def pods(self) -> list[str]:
         """Pods that have sent at least one event (or were added)."""
         with self._lock:
-            return list(self._pods)
+            return list(dict.fromkeys(pod for pod, _ in self._pods))
 
     def block_size(self, pod: str) -> int:
         """The pod's block size as announced by its events (0 if unknown)."""
-        blocks = self._pods.get(pod)
-        return blocks.block_size if blocks else 0
+        sizes = [b.block_size for t in TIERS if (b := self._pods.get((pod, t))) is not None]
+        return max(sizes, default=0)
 
     # --- ingest --------------------------------------------------------------------------
 
@@ -71,23 +90,26 @@ class PrefixIndex:
         """Apply one batch of a pod's events, in order."""
         result = IngestResult()
         with self._lock:
-            blocks = self._pods.setdefault(pod, _PodBlocks())
+            self._pods.setdefault((pod, LOCAL), _PodBlocks())
             for event in batch.events:
                 if getattr(event, "group_idx", None):
                     continue  # a hybrid model's sliding-window groups: group 0 names prefixes
+                if isinstance(event, AllBlocksCleared):  # the pod's own cache; the store stays
+                    self._drop_pod((pod, LOCAL), self._pods[(pod, LOCAL)])
+                    result.cleared = True
+                    continue
+                owner = (pod, tier_of(event.medium))
+                blocks = self._pods.setdefault(owner, _PodBlocks())
                 if isinstance(event, BlockStored):
-                    self._store(pod, blocks, event, result)
+                    self._store(owner, blocks, event, result)
                 elif isinstance(event, BlockRemoved):
                     for h in event.block_hashes:
-                        result.removed += self._remove(pod, blocks, h)
-                elif isinstance(event, AllBlocksCleared):
-                    self._drop_pod(pod, blocks)
-                    result.cleared = True
+                        result.removed += self._remove(owner, blocks, h)
             self._enforce_capacity()
         return result
 
     def _store(
-        self, pod: str, blocks: _PodBlocks, event: BlockStored, result: IngestResult
+        self, owner: tuple[str, str], blocks: _PodBlocks, event: BlockStored, result: IngestResult
     ) -> None:
         extra = event.extra_keys
         if event.parent_block_hash is None:
@@ -96,7 +118,7 @@ class PrefixIndex:
             if salt is not None:
                 extra = [None, *extra[1:]]  # the salt is in the root key now
         else:
-            known = blocks.by_hash.get(event.parent_block_hash)
+            known = self._parent(owner[0], blocks, event.parent_block_hash)
             if known is None:
                 result.orphaned += len(event.block_hashes)
                 return
@@ -113,12 +135,21 @@ class PrefixIndex:
         blocks.block_size = event.block_size
         keys = chain_keys(parent, packed, event.block_size, n)
         for h, key in zip(event.block_hashes, keys, strict=False):
-            self._add(pod, blocks, h, key)
+            self._add(owner, blocks, h, key)
         result.stored += n
         if event.parent_block_hash is None and keys:
             result.roots.append((keys[0], event.block_hashes[0]))  # for the seed check
 
-    def _add(self, pod: str, blocks: _PodBlocks, engine_hash: int, key: int) -> None:
+    def _parent(self, pod: str, blocks: _PodBlocks, engine_hash: int) -> list[int] | None:
+        """The parent's key: a pod names a block by one engine hash in every tier."""
+        known = blocks.by_hash.get(engine_hash)
+        for tier in TIERS:
+            other = self._pods.get((pod, tier))
+            if known is None and other is not None:
+                known = other.by_hash.get(engine_hash)
+        return known
+
+    def _add(self, pod: tuple[str, str], blocks: _PodBlocks, engine_hash: int, key: int) -> None:
         slot = blocks.by_hash.get(engine_hash)
         if slot is not None and slot[0] == key:
             slot[1] += 1
@@ -131,7 +162,7 @@ class PrefixIndex:
             entry[pod] = engine_hash
             self._entries.move_to_end(key)
 
-    def _remove(self, pod: str, blocks: _PodBlocks, engine_hash: int) -> int:
+    def _remove(self, pod: tuple[str, str], blocks: _PodBlocks, engine_hash: int) -> int:
         slot = blocks.by_hash.get(engine_hash)
         if slot is None:
             return 0
@@ -153,7 +184,7 @@ class PrefixIndex:
                 self._pods[pod].by_hash.pop(engine_hash, None)
             self.evicted += 1
 
-    def _drop_pod(self, pod: str, blocks: _PodBlocks) -> None:
+    def _drop_pod(self, pod: tuple[str, str], blocks: _PodBlocks) -> None:
         for key, _ in blocks.by_hash.values():
             entry = self._entries.get(key)
             if entry is not None:
@@ -165,40 +196,59 @@ class PrefixIndex:
     def remove_pod(self, pod: str) -> None:
         """Forget a pod and every block it held."""
         with self._lock:
-            blocks = self._pods.pop(pod, None)
-            if blocks is not None:
-                self._drop_pod(pod, blocks)
+            for tier in TIERS:
+                blocks = self._pods.pop((pod, tier), None)
+                if blocks is not None:
+                    self._drop_pod((pod, tier), blocks)
 
     def clear_pod(self, pod: str) -> None:
-        """Drop a pod's blocks but keep it known (a resync follows)."""
+        """Drop a pod's blocks, both tiers, but keep it known (a resync follows)."""
         with self._lock:
-            blocks = self._pods.get(pod)
-            if blocks is not None:
-                self._drop_pod(pod, blocks)
+            for tier in TIERS:
+                blocks = self._pods.get((pod, tier))
+                if blocks is not None:
+                    self._drop_pod((pod, tier), blocks)
 
     # --- lookup --------------------------------------------------------------------------
 
     def match(self, keys: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
-        """Per pod, how many of ``keys`` (from the first on) it holds consecutively."""
-        result = {pod: 0 for pod in pods}
-        active = set(result)
+        """Per pod, how many of ``keys`` (from the first on) its own cache holds
+        consecutively."""
+        return {pod: local for pod, (local, _) in self.match_tiers(keys, pods).items()}
+
+    def match_tiers(self, keys: Sequence[int], pods: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """Per pod, ``(local, loadable)``: the consecutive prefix its own cache holds, and the
+        consecutive prefix it holds or can load from the shared store (``loadable >= local``;
+        a store block counts for every pod, whichever pod saved it)."""
+        result = {pod: (0, 0) for pod in pods}
+        local = set(result)
         with self._lock:
             for depth, key in enumerate(keys, start=1):
                 entry = self._entries.get(key)
                 if entry is None:
                     break
-                active.intersection_update(entry)
-                if not active:
+                local &= {pod for pod, tier in entry if tier == LOCAL}
+                in_store = any(tier == STORE for _, tier in entry)
+                if not local and not in_store:
                     break
                 self._entries.move_to_end(key)
-                for pod in active:
-                    result[pod] = depth
+                for pod, (hit, loadable) in result.items():
+                    if loadable == depth - 1 and (in_store or pod in local):
+                        result[pod] = (depth if pod in local else hit, depth)
         return result
 
-    def pod_block_count(self, pod: str) -> int:
-        """How many blocks the index holds for ``pod``."""
-        blocks = self._pods.get(pod)
+    def pod_block_count(self, pod: str, tier: str = LOCAL) -> int:
+        """How many blocks the index holds for ``pod`` in ``tier``."""
+        blocks = self._pods.get((pod, tier))
         return len(blocks.by_hash) if blocks else 0
+
+    def tier_block_counts(self) -> dict[str, int]:
+        """Blocks held per tier, summed over pods (the ``index_blocks{tier}`` gauge)."""
+        with self._lock:
+            counts = dict.fromkeys(TIERS, 0)
+            for (_, tier), blocks in self._pods.items():
+                counts[tier] += len(blocks.by_hash)
+            return counts
 
     def check_integrity(self) -> None:
         """Assert that the key map and the per-pod maps agree (tests)."""

@@ -42,7 +42,13 @@ class RouterMetrics:
         self.inflight = Gauge(
             P + "inflight_requests", "Requests in flight per pod", ["pod"], registry=r
         )
-        self.index_blocks = Gauge(P + "index_blocks", "Keys held by the prefix index", registry=r)
+        self.index_blocks = Gauge(
+            P + "index_blocks",
+            "Blocks held by the prefix index, summed over pods, by tier (local: a pod's own "
+            "cache; store: the pool's shared store)",
+            ["tier"],
+            registry=r,
+        )
         self.index_evictions = Counter(
             P + "index_evictions", "Keys dropped by the index capacity bound", registry=r
         )

@@ -190,7 +190,7 @@ class Router:
         start = time.perf_counter()
         pods = self.available()
         ids = self.prompt_ids(path, body) if pods else None
-        matched, totals, keys = self._match(pods, ids, self._lora(body), _salt(body))
+        matched, totals, keys, loadable = self._match(pods, ids, self._lora(body), _salt(body))
         candidates = [
             Candidate(
                 p.name,
@@ -199,6 +199,7 @@ class Router:
                 matched.get(p.name, 0),
                 totals.get(p.name, 0),
                 self.index.pod_block_count(p.name),
+                loadable.get(p.name, 0) - matched.get(p.name, 0),
             )
             for p in pods
         ]
@@ -216,7 +217,7 @@ class Router:
         self, pods: list[PodState], ids: list[int] | None, lora: str | None, salt: str | None
     ):
         if not ids:
-            return {}, {}, {}
+            return {}, {}, {}, {}
         by_size: dict[int, list[str]] = {}
         for p in pods:
             size = self.index.block_size(p.name) or self.default_block_size
@@ -224,14 +225,16 @@ class Router:
         matched: dict[str, int] = {}
         totals: dict[str, int] = {}
         pod_keys: dict[str, list[int]] = {}
+        loadable: dict[str, int] = {}  # local or shared-store prefix (>= matched)
         for size, names in by_size.items():
             keys = request_keys(ids, size, lora, salt)
-            found = self.index.match(keys, names)
+            found = self.index.match_tiers(keys, names)
             expected = self.pending.match(keys, names)
-            matched.update({n: max(found[n], expected[n]) for n in names})
+            matched.update({n: max(found[n][0], expected[n]) for n in names})
+            loadable.update({n: max(found[n][1], matched[n]) for n in names})
             totals.update(dict.fromkeys(names, len(keys)))
             pod_keys.update(dict.fromkeys(names, keys))
-        return matched, totals, pod_keys
+        return matched, totals, pod_keys, loadable
 
     def record(self, routing: Routing, pod: str, attempt: int) -> None:
         """Metrics for the pod a request finally went to."""
@@ -245,11 +248,16 @@ class Router:
             self.metrics.prefix_hit_ratio.observe(hit / total)
             self.metrics.prefix_blocks.labels("matched").inc(hit)
             self.metrics.prefix_blocks.labels("total").inc(total)
-        self.metrics.index_blocks.set(len(self.index))
+        self.update_index_gauges()
         evicted = self.index.evicted
         if evicted > self._evicted_seen:
             self.metrics.index_evictions.inc(evicted - self._evicted_seen)
             self._evicted_seen = evicted
+
+    def update_index_gauges(self) -> None:
+        """``index_blocks{tier}`` from the index now."""
+        for tier, n in self.index.tier_block_counts().items():
+            self.metrics.index_blocks.labels(tier).set(n)
 
 
 def _salt(body: dict) -> str | None:

@@ -16,10 +16,15 @@ class Candidate:
     matched_blocks: int  # consecutive prefix blocks cached on the pod
     total_blocks: int  # full blocks in the prompt
     cached_blocks: int = 0  # blocks the index holds for the pod (emptier caches evict less)
+    store_blocks: int = 0  # blocks after the local match the pod can load from the store
 
     @property
     def prefix_fraction(self) -> float:
         return self.matched_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
+    def store_fraction(self) -> float:
+        return self.store_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,14 @@ class Prefix(Strategy):
     def rank(self, candidates: list[Candidate]) -> list[Decision]:
         tie = self._tiebreak.key(candidates)
         ordered = sorted(
-            candidates, key=lambda c: (-c.matched_blocks, c.load, c.cached_blocks, tie[c.name])
+            candidates,
+            key=lambda c: (
+                -c.matched_blocks,
+                -c.store_blocks,
+                c.load,
+                c.cached_blocks,
+                tie[c.name],
+            ),
         )
         return [Decision(c.name, _reason(c)) for c in ordered]
 
@@ -101,7 +113,9 @@ class PrefixLoad(Strategy):
     """Weighted score: prefix fraction against relative queue depth and KV usage (the shape
     of llm-d's precise-prefix + load-aware + kv-utilization scorers), with a balance guard
     (as SGLang's cache-aware router): pods more than ``balance_threshold`` requests busier
-    than the least busy one are only tried after the others, so a hot prefix spills."""
+    than the least busy one are only tried after the others, so a hot prefix spills.
+    Blocks a pod can load from the pool's shared store count with ``store_weight``, below
+    ``prefix_weight``: a load is cheaper than a recompute, dearer than a local hit."""
 
     name = "prefix+load"
     uses_prefix = True
@@ -112,8 +126,12 @@ class PrefixLoad(Strategy):
         load_weight: float = 1.0,
         kv_weight: float = 0.5,
         balance_threshold: float = 4.0,
+        store_weight: float = 1.0,
     ):
+        if not 0 <= store_weight <= prefix_weight:
+            raise ValueError("--store-weight must be between 0 and --prefix-weight")
         self.weights = (prefix_weight, load_weight, kv_weight)
+        self.store_weight = store_weight
         self.balance_threshold = balance_threshold
         self._tiebreak = _Tiebreak()
 
@@ -121,7 +139,8 @@ class PrefixLoad(Strategy):
         """Higher is better."""
         wp, wl, wk = self.weights
         load = 1.0 - (c.load / max_load if max_load > 0 else 0.0)
-        return wp * c.prefix_fraction + wl * load + wk * (1.0 - min(1.0, max(0.0, c.kv_usage)))
+        prefix = wp * c.prefix_fraction + self.store_weight * c.store_fraction
+        return prefix + wl * load + wk * (1.0 - min(1.0, max(0.0, c.kv_usage)))
 
     def rank(self, candidates: list[Candidate]) -> list[Decision]:
         if not candidates:
@@ -140,7 +159,10 @@ class PrefixLoad(Strategy):
 
 
 def _reason(c: Candidate) -> str:
-    return "prefix_hit" if c.matched_blocks else "no_prefix"
+    """The tier that won: the pod's own cache, the shared store, or neither."""
+    if c.matched_blocks:
+        return "prefix_hit"
+    return "store_hit" if c.store_blocks else "no_prefix"
 
 
 STRATEGIES = {

@@ -12,6 +12,8 @@ from epdserve.connectors.kv_events.publisher import (
     create_publisher,
 )
 from epdserve.connectors.kv_events.schema import (
+    DEVICE_MEDIUM,
+    STORE_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -25,6 +27,8 @@ from epdserve.connectors.kv_events.schema import (
 )
 
 __all__ = [
+    "DEVICE_MEDIUM",
+    "STORE_MEDIUM",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",

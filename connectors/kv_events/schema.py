@@ -14,6 +14,11 @@ from typing import Any
 import msgspec
 
 UINT64_MASK = (1 << 64) - 1
+# ``medium`` values: vLLM names the tier a block lives in ("GPU", "CPU", ...; "GPU" even on a
+# CPU run). Blocks a KV connector saved to the pool's shared store (Redis, a shared volume)
+# are announced with "STORE": any pod of the pool can load them.
+DEVICE_MEDIUM = "GPU"
+STORE_MEDIUM = "STORE"
 
 
 class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
