@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epdserve.operator import cache, engine, meta, network, router
+from epdserve.operator import cache, engine, meta, network, router, scalers
 from epdserve.operator.spec import ROLES, PoolSpec
 
 # Kinds the operator owns, in apply order (ConfigMap before the pods that read it, RBAC
@@ -17,6 +17,8 @@ OWNED_KINDS = (
     ("v1", "Service"),
     ("apps/v1", "Deployment"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
 )
 
 
@@ -47,6 +49,7 @@ def desired_objects(pool: PoolSpec, replicas: dict[str, int] | None = None) -> l
     objects += [router.build_router_deployment(pool), router.build_router_service(pool)]
     if (monitor := router.build_service_monitor(pool)) is not None:
         objects.append(monitor)
+    objects += scalers.build_scalers(pool)  # after the Deployments they scale
     return objects
 
 

@@ -23,6 +23,8 @@ PLURALS = {
     "RoleBinding": "rolebindings",
     "NetworkPolicy": "networkpolicies",
     "ServiceMonitor": "servicemonitors",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ScaledObject": "scaledobjects",
     "InferencePool": "inferencepools",
 }
 FIELD_MANAGER = "epdserve-operator"

@@ -70,6 +70,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "create", "patch", "update", "delete"]
+# Autoscaled roles: engine hpa / keda (the operator engine patches deployments, above).
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "create", "patch", "update", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "create", "patch", "update", "delete"]
 {{- end -}}
 
 {{/* Secrets, granted apart so the grant is easy to audit: the operator creates each managed
