@@ -9,6 +9,7 @@ saves whole cross-layer blocks on two background threads (so saves never delay a
 from __future__ import annotations
 
 import logging
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -22,6 +23,7 @@ from epdserve.connectors.kv_connector.base import (
     ScheduledRequest,
 )
 from epdserve.connectors.kv_connector.config import KVTransferConfig
+from epdserve.connectors.kv_events import STORE_MEDIUM, BlockRemoved, BlockStored, hash_to_int
 from epdserve.connectors.storage import (
     AsyncBlockStore,
     BlockStore,
@@ -85,6 +87,8 @@ class StorageConnector(KVConnectorBase):
         self._saved_upto: dict[str, int] = {}  # req -> blocks saved (or skipped) so far
         self._has_saves: set[str] = set()
         self._queued_loads: list[BlockTransfer] = []
+        # block hash -> (parent hash, tokens, extra keys) of planned saves, for store events
+        self._save_plans: dict[bytes, tuple[bytes | None, list[int], Any]] = {}
         # worker side
         self._kv_cache = None
         self._meta = KVConnectorMetadata()
@@ -96,6 +100,10 @@ class StorageConnector(KVConnectorBase):
         self._saves: dict[str, list[Future]] = {}
         self._finishing: set[str] = set()
         self._invalid: set[int] = set()
+        # (hash, stored?) of finished saves and hashes a load missed, for store events;
+        # appended on the transfer threads, drained by the engine each step
+        self._saved: deque[tuple[bytes, bool]] = deque()
+        self._missed: deque[bytes] = deque()
 
     # --- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -198,10 +206,52 @@ class StorageConnector(KVConnectorBase):
             return None
         self._saved_upto[rid] = num_full
         self._has_saves.add(rid)
+        self._plan_store_events(request, start, num_full)
         return BlockTransfer(rid, block_ids[start:num_full], request.block_hashes[start:num_full])
+
+    def _plan_store_events(self, request: KVRequest, start: int, end: int) -> None:
+        tokens = getattr(request, "all_token_ids", None)
+        if tokens is None or getattr(request, "mm_spans", None):
+            return  # no tokens to name the blocks by; image blocks are not indexed anyway
+        salt = getattr(request, "cache_salt", None)
+        bs = self.layout.block_size
+        for i in range(start, end):
+            parent = request.block_hashes[i - 1] if i else None
+            extra = (salt,) if salt and i == 0 else None
+            self._save_plans[request.block_hashes[i]] = (
+                parent,
+                list(tokens[i * bs : (i + 1) * bs]),
+                extra,
+            )
+
+    def store_events(self, saved: list[tuple[bytes, bool]], missed: list[bytes]) -> list:
+        """Scheduler side: KV events (``medium="STORE"``) for blocks the worker side saved
+        to the store, and for blocks a load found gone from it."""
+        events: list = []
+        for block_hash, ok in saved:
+            plan = self._save_plans.pop(block_hash, None)
+            if plan is None or not ok:
+                continue
+            parent, tokens, extra = plan
+            events.append(
+                BlockStored(
+                    block_hashes=[hash_to_int(block_hash)],
+                    parent_block_hash=None if parent is None else hash_to_int(parent),
+                    token_ids=tokens,
+                    block_size=self.layout.block_size,
+                    lora_id=None,
+                    medium=STORE_MEDIUM,
+                    lora_name=None,
+                    extra_keys=[extra],
+                )
+            )
+        events += [BlockRemoved([hash_to_int(h)], STORE_MEDIUM) for h in missed]
+        return events
 
     def step_failed(self, metadata: KVConnectorMetadata) -> None:
         for t in metadata.saves:
+            for block_hash in t.block_hashes:
+                self._save_plans.pop(block_hash, None)
             if t.req_id in self._saved_upto:
                 self._saved_upto[t.req_id] -= len(t.block_hashes)
 
@@ -244,12 +294,25 @@ class StorageConnector(KVConnectorBase):
         bad = [self.kv_io.key(h) for h, ok in zip(t.block_hashes, loaded, strict=True) if not ok]
         if bad:  # drop unusable values so the next producer's save replaces them
             self.store.delete_many(bad)
+            self._missed.extend(h for h, ok in zip(t.block_hashes, loaded, strict=True) if not ok)
         return loaded
 
     def wait_for_save(self) -> None:
         for t in self._meta.saves:
             job = self._writer.submit(self.kv_io.save, self._kv_cache, t.block_ids, t.block_hashes)
+            job.add_done_callback(lambda job, hashes=t.block_hashes: self._note_saved(job, hashes))
             self._saves.setdefault(t.req_id, []).append(job)
+
+    def _note_saved(self, job: Future, hashes: list[bytes]) -> None:
+        ok = job.result() if job.exception() is None else None
+        self._saved.extend(zip(hashes, ok or [False] * len(hashes), strict=True))
+
+    def take_transfer_results(self) -> tuple[list[tuple[bytes, bool]], list[bytes]]:
+        """Worker side: ``(hash, stored?)`` of saves finished and hashes loads missed since
+        the last call."""
+        saved = [self._saved.popleft() for _ in range(len(self._saved))]
+        missed = [self._missed.popleft() for _ in range(len(self._missed))]
+        return saved, missed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self._finishing |= {r for r in finished_req_ids if r in self._saves}
@@ -277,6 +340,14 @@ class StorageConnector(KVConnectorBase):
             if worker is not None:
                 worker.close(close_store=False)
         self.store.close()
+
+
+def take_store_events(connectors: tuple) -> list:
+    """The store-tier KV events of a ``(scheduler side, worker side)`` pair since the last
+    call (the engine appends them to its step's events); none for other connectors."""
+    if len(connectors) != 2 or not isinstance(connectors[1], StorageConnector):
+        return []
+    return connectors[0].store_events(*connectors[1].take_transfer_results())
 
 
 def _result(job: Future, what: str):
