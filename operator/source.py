@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.operator import meta
 from epdserve.operator.errors import InvalidSpec
 
 HF_HOME = "/var/cache/huggingface"
@@ -102,5 +101,12 @@ def download_init_container(image: str, pull_policy: str, hub: HubSource, link: 
         "command": command,
         "env": env,
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, cache_mount()],
-        "securityContext": meta.container_security_context(),
+        "securityContext": _container_security_context(),
     }
+
+
+def _container_security_context() -> dict:
+    # imported here: meta imports spec, which imports this module
+    from epdserve.operator import meta
+
+    return meta.container_security_context()

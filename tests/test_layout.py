@@ -137,3 +137,22 @@ def test_wheel_ships_every_code_file_and_nothing_from_the_root(tmp_path):
     assert "epdserve/__init__.py" in names
     assert "epdserve/kernels/csrc/paged_decode.c" in names  # built at run time
     assert "epdserve/setup.py" not in names
+
+
+@pytest.mark.parametrize("folder", ["operator", "router", "connectors"])
+def test_every_module_imports_first_on_its_own(folder):
+    """No import cycle hides behind a lucky import order: each module, imported before any
+    other of its folder, loads."""
+    modules = [
+        ".".join(("epdserve", folder, *p.relative_to(ROOT / folder).with_suffix("").parts))
+        for p in python_files(folder)
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}:\n"
+        f"    for k in [k for k in sys.modules if k.startswith('epdserve.{folder}')]:\n"
+        "        del sys.modules[k]\n"
+        "    importlib.import_module(m)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
