@@ -34,9 +34,11 @@ def wait_for_index(port: int, timeout: float = 15.0) -> float:
     blocks = 0.0
     while time.monotonic() < deadline and blocks == 0:
         body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        for line in body.splitlines():
-            if line.startswith("epdserve_router:index_blocks "):
-                blocks = float(line.split()[-1])
+        blocks = sum(  # per tier (local, store)
+            float(line.split()[-1])
+            for line in body.splitlines()
+            if line.startswith("epdserve_router:index_blocks{")
+        )
         time.sleep(0.2)
     return blocks
 
