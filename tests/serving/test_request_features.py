@@ -57,7 +57,8 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(client):
     chunks = list(stream)
     with_text = [c for c in chunks if c.choices]
     assert with_text and all(c.usage is not None for c in with_text)
-    assert [c.usage.completion_tokens for c in with_text] == list(range(1, 6))
+    counts = [c.usage.completion_tokens for c in with_text]  # a chunk may carry 2+ tokens
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 5
     assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
 
 
