@@ -62,7 +62,8 @@ def test_expired_watches_relist(cluster, make_pool):
 
 def test_a_rejected_object_degrades_the_pool_until_the_cluster_accepts_it(cluster, make_pool):
     em = cluster.server
-    em.call(em.emulator.fail, "post", "v1/configmaps", 403, times=1)  # e.g. an admission policy
+    # e.g. an admission policy; rejected on three passes so the Degraded state outlives a poll
+    em.call(em.emulator.fail, "post", "v1/configmaps", 403, times=3)
     make_pool(pool_body("rejected"))
     degraded = wait_for(
         lambda: condition(cluster.pool(NS, "rejected"), "Degraded").get("reason") == "ApplyFailed",
