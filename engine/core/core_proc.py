@@ -18,7 +18,6 @@ import time
 import msgspec
 import zmq
 
-from epdserve.connectors.kv_connector.storage_connector import take_store_events
 from epdserve.connectors.kv_events import (
     KVEventsConfig,
     NullEventPublisher,
@@ -58,10 +57,7 @@ class CoreLoop:
             idle = not self.core.has_unfinished_requests()
             self._drain_input(timeout_ms=1000 if idle else 0)
             outputs = self.core.step()
-            # the pod's own cache, then blocks its KV connector saved to the shared store
-            events = self.core.take_events() + take_store_events(
-                getattr(self.core, "kv_connectors", ())
-            )
+            events = self.core.take_events()
             if events:  # one batch per step, in block-pool order
                 self._publish(events)
             stats = self.core.stats()  # once per step: it decides the send and travels with it

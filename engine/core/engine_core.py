@@ -11,6 +11,7 @@ import torch
 
 from epdserve.connectors.ec_connector import create_ec_connector
 from epdserve.connectors.kv_connector import KVTransferConfig
+from epdserve.connectors.kv_connector.storage_connector import take_store_events
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature, SchedulerStats
@@ -246,7 +247,9 @@ class EngineCore:
             self.ec_connector.close()
 
     def take_events(self) -> list:
-        return self.kv.take_events()
+        """This step's KV events: the pod's own cache, then blocks its KV connector saved to
+        the shared store."""
+        return self.kv.take_events() + take_store_events(self.kv_connectors)
 
     def stats(self) -> SchedulerStats:
         """Gauges now and cumulative counters, for the frontend's metrics."""
