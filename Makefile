@@ -7,12 +7,12 @@ MODEL  ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install redis cc lint format clean
+.PHONY: run test install redis cc prometheus lint format clean
 
 run: $(STAMP) redis cc
 	$(BIN)/epdserve up $(if $(MODEL),--model $(MODEL)) --host 127.0.0.1 --port 8000 $(UP_ARGS)
 
-test: $(STAMP) redis cc lint
+test: $(STAMP) redis cc prometheus lint
 	$(BIN)/python -m pytest
 
 install: $(STAMP)
@@ -31,6 +31,19 @@ redis: $(STAMP)
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		(apt-get install -y -q redis-server || (apt-get update -q && apt-get install -y -q redis-server)) >/dev/null; \
 	else $(BIN)/python -m pip install -q redis-server; fi
+
+# Prometheus + promtool for the dashboard test (tests/monitoring): Debian's package as root.
+# Its postinst must not start a prometheus service: if no policy-rc.d is in place, one that
+# denies every start stands for the install. Without root/apt the test skips, saying why.
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		policy=/usr/sbin/policy-rc.d; own=; \
+		if [ ! -e $$policy ]; then printf '#!/bin/sh\nexit 101\n' >$$policy; chmod +x $$policy; own=1; fi; \
+		export DEBIAN_FRONTEND=noninteractive; get="apt-get install -y -q --no-install-recommends prometheus"; \
+		($$get || (apt-get update -q && $$get)) >/dev/null; rc=$$?; \
+		if [ -n "$$own" ]; then rm -f $$policy; fi; exit $$rc; \
+	else echo "no prometheus (needs root and apt-get): the dashboard test will skip"; fi
 
 # A C compiler for the CPU decode kernel (kernels/csrc, built at first use): Debian's gcc as
 # root when there is none; without one the engine runs the torch decode path.
