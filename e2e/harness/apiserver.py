@@ -5,12 +5,18 @@ serializers registered for application/octet-stream"); kmock streams default to
 octet-stream, so watch answers here say `application/json`. And kubectl 1.37 lists through
 a watch (`sendInitialEvents=true`, the WatchList feature): the current objects as ADDED, then
 a BOOKMARK annotated `k8s.io/initial-events-end`, then changes; served here as such.
+
+Pods bound to a node are deleted gracefully, as by a real API server: a DELETE marks them
+(`deletionTimestamp`, `deletionGracePeriodSeconds`) and the kubelet removes them once their
+containers have run their preStop hooks and stopped (kubelet.py); `gracePeriodSeconds=0`
+removes at once. Owner garbage collection goes through the same path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import kmock
 from k8s_emulator import ApiEmulator
@@ -33,6 +39,33 @@ class WatchableEmulator(ApiEmulator):
         if isinstance(payload, dict) and payload.get("groupVersion") == "/v1":
             payload["groupVersion"] = "v1"
         return payload
+
+    def delete(self, res, namespace, name, orphan=False, grace=None):
+        obj = self.store.get((res, namespace, name))
+        running = obj is not None and res == "/v1/pods" and (obj.get("spec") or {}).get("nodeName")
+        if not running or obj["metadata"].get("finalizers"):
+            return super().delete(res, namespace, name, orphan)
+        if grace is None:
+            grace = int(obj["spec"].get("terminationGracePeriodSeconds", 30))
+        if grace <= 0:
+            return self.remove(res, namespace, name, orphan)
+        if obj["metadata"].get("deletionTimestamp"):
+            return obj  # already terminating: a second DELETE changes nothing
+        marked = copy.deepcopy(obj)
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + grace))
+        marked["metadata"].update(deletionTimestamp=when, deletionGracePeriodSeconds=grace)
+        self._bump(marked)
+        self.store[res, namespace, name] = marked
+        self._record(res, "MODIFIED", marked)
+        return marked
+
+    async def _serve_delete(self, request):
+        res, namespace = self._resolve(request)
+        body = request.data if isinstance(request.data, dict) else {}
+        orphan = body.get("propagationPolicy") == "Orphan"
+        grace = request.params.get("gracePeriodSeconds", body.get("gracePeriodSeconds"))
+        grace = None if grace is None else int(grace)
+        return copy.deepcopy(self.delete(res, namespace, request.name, orphan, grace))
 
     def _serve_watch(self, request):
         if request.params.get("sendInitialEvents") == "true":

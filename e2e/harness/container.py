@@ -145,6 +145,17 @@ class Container:
             elif verdict == "failure":
                 self.ready = False
 
+    def pre_stop(self, deadline: float) -> None:
+        """The container's preStop hook, within the grace period (the `sleep` action only)."""
+        hook = (self.spec.get("lifecycle") or {}).get("preStop") or {}
+        if self.proc is None or self.proc.poll() is not None or not hook:
+            return
+        if "sleep" not in hook:  # noted for describe(); the pod still stops
+            self.pod.kubelet.errors.append(f"{self.name}: preStop {sorted(hook)} not supported")
+            return
+        scaled = max(1.0, float(hook["sleep"]["seconds"]) * self.pod.kubelet.config.time_scale)
+        time.sleep(max(0.0, min(scaled, deadline - time.monotonic())))
+
     def kill(self, grace: float) -> None:
         """SIGTERM the container's process group, SIGKILL after `grace` seconds."""
         proc = self.proc

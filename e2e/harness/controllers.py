@@ -47,10 +47,11 @@ class DeploymentController:
         pods = self.api.list("Pod")
         for dep in self.api.list("Deployment"):
             uid = dep["metadata"]["uid"]
-            owned = [
+            owned = [  # terminating pods count no more, as for a ReplicaSet
                 p
                 for p in pods
                 if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])
+                and not p["metadata"].get("deletionTimestamp")
             ]
             self._sync_one(dep, owned)
 

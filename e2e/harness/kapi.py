@@ -66,8 +66,9 @@ class Api:
         path = self._path(kind, namespace, name, sub)
         return self._call("PATCH", path, patch, "application/merge-patch+json")
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        self._call("DELETE", self._path(kind, namespace, name))
+    def delete(self, kind: str, namespace: str, name: str, grace: int | None = None) -> None:
+        query = None if grace is None else {"gracePeriodSeconds": grace}
+        self._call("DELETE", self._path(kind, namespace, name), query=query)
 
     def close(self) -> None:
         self.client.close()

@@ -5,6 +5,11 @@ podinit.py with its env, volumes and security context. The kubelet runs startup,
 and readiness probes, restarts exited containers (restartPolicy Always, with back-off),
 and reports the Pod's status through the API. Times from the spec (probe periods, back-off)
 are multiplied by `time_scale` so tests run in seconds; thresholds and timeouts are kept.
+
+A pod marked for deletion (`deletionTimestamp`, see apiserver.py) is terminated as a kubelet
+does: no more restarts or probes, each container's preStop hook (the `sleep` action; its
+seconds scaled too, at least 1 s), then SIGTERM and SIGKILL when the grace period (capped by
+`max_grace`) runs out; then the pod object is removed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class PodRuntime:
         obj.setdefault("status", {}).update(podIP=self.ip, hostIP=GATEWAY)
         self.start_time = now_iso()
         self.stopping = False
+        self.terminating = False
         self.containers = [Container(self, c) for c in obj["spec"]["containers"]]
         self.volumes: dict[str, dict] = {}
         self.transitions: dict[str, tuple[str, str]] = {}
@@ -96,6 +102,33 @@ class PodRuntime:
                     c.waiting = ("RunContainerError", repr(exc))
                     c.backoff_until = now + 2
             time.sleep(0.1)
+
+    def terminate(self, grace: float) -> None:
+        """Run the graceful termination (in a thread): preStop, SIGTERM, SIGKILL, remove."""
+        self.terminating = True
+        threading.Thread(target=self._terminate, args=(grace,), name=f"term-{self.name}").start()
+
+    def _terminate(self, grace: float) -> None:
+        self.stopping = True  # no restarts, no more probes
+        self._thread.join(10)
+        deadline = time.monotonic() + min(grace, self.kubelet.config.max_grace)
+        hooks = [threading.Thread(target=c.pre_stop, args=(deadline,)) for c in self.containers]
+        for t in hooks:
+            t.start()
+        for t in hooks:
+            t.join()
+        killers = [
+            threading.Thread(target=c.kill, args=(max(0.0, deadline - time.monotonic()),))
+            for c in self.containers
+        ]
+        for t in killers:
+            t.start()
+        for t in killers:
+            t.join()
+        try:
+            self.kubelet.api.delete("Pod", self.namespace, self.name, grace=0)
+        except ApiError as exc:
+            self.kubelet.errors.append(f"removing terminated pod {self.name}: {exc}")
 
     def stop(self) -> None:
         """Kill every container (graceful first) and remove the pod's namespace."""
@@ -184,8 +217,15 @@ class Kubelet:
                 threading.Thread(target=runtime.stop, name=f"stop-{runtime.name}").start()
                 self.reported.pop(uid, None)
         for uid, obj in pods.items():
-            if uid not in self.pods and not obj["metadata"].get("deletionTimestamp"):
-                self.pods[uid] = PodRuntime(self, obj)
+            meta = obj["metadata"]
+            if not meta.get("deletionTimestamp"):
+                if uid not in self.pods:
+                    self.pods[uid] = PodRuntime(self, obj)
+            elif uid not in self.pods:  # never started here: nothing to stop
+                with contextlib.suppress(ApiError):
+                    self.api.delete("Pod", meta["namespace"], meta["name"], grace=0)
+            elif not self.pods[uid].terminating:
+                self.pods[uid].terminate(float(meta.get("deletionGracePeriodSeconds") or 30))
         for uid, runtime in list(self.pods.items()):
             status = runtime.status()
             if self.reported.get(uid) == status:
