@@ -4,6 +4,9 @@ the CRD copy is byte-identical, RBAC covers what the operator does, the dashboar
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 
 import helm_python as helm
 import kubernetes_validate
@@ -20,8 +23,10 @@ VALUES = [
         "verbose": True,
         "nodeSelector": {"pool": "cpu"},
         "imagePullSecrets": [{"name": "r"}],
+        "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
     },
 ]
+RULES = CHART / "files" / "prometheus-rules.yaml"
 
 
 def render(values: dict) -> list[dict]:
@@ -168,3 +173,33 @@ def test_values_schema_rejects_bad_values():
         render({"resyncSeconds": 0})
     with pytest.raises(helm.HelmError):
         render({"watchNamespaces": "team-a"})  # a list is required
+
+
+def test_alert_rules_are_off_by_default():
+    assert not [d for d in render({}) if d["kind"] == "PrometheusRule"]
+
+
+def test_prometheus_rule_carries_the_rules_file_unchanged():
+    (rule,) = [d for d in render(VALUES[1]) if d["kind"] == "PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == "epdserve-system"
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    assert rule["spec"] == yaml.safe_load(RULES.read_text())  # `{{ $labels }}` left to Prometheus
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert all(r["labels"]["severity"] in ("warning", "critical") for r in alerts)
+    assert all("{{ $labels.pod }}" in r["annotations"]["summary"] for r in alerts)
+
+
+def _promtool() -> str:
+    found = shutil.which("promtool")
+    if not found and os.geteuid() == 0 and shutil.which("apt-get"):
+        pytest.fail("promtool not found: `make prometheus` installs it")
+    return found or pytest.skip("no promtool, and no root/apt-get to install it with")
+
+
+def test_promtool_accepts_the_rendered_rules(tmp_path):
+    (rule,) = [d for d in render(VALUES[1]) if d["kind"] == "PrometheusRule"]
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rule["spec"]))
+    out = subprocess.run([_promtool(), "check", "rules", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

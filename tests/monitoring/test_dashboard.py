@@ -1,0 +1,269 @@
+"""The chart's Grafana dashboard and alert rules against a real Prometheus scraping a real pool.
+
+A prefill pod, a decode pod (real `epdserve serve` processes sharing a real redis-server) and
+a real router serve a few requests; a real Prometheus scrapes them with exactly the target
+labels the operator's ServiceMonitor gives them under prometheus-operator (derived from the
+built objects, not written by hand). Every dashboard expression and every alert expression is
+then evaluated through Prometheus's HTTP API and must return data.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import yaml
+from ipool_samples import ROOT, example
+from monitor_targets import monitor_targets
+from prometheus_support import PrometheusServer, finite_points
+from serving_support import ServerProcess, free_port, wait_ready
+
+from epdserve.operator.desired import desired_objects
+from epdserve.operator.spec import parse_pool
+
+CHART = ROOT / "charts" / "epdserve"
+DASHBOARD = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+RULES = CHART / "files" / "prometheus-rules.yaml"
+POOL = example("pd-redis")  # the shipped P/D example: it enables the pool's ServiceMonitor
+SCRAPE_S = 1
+# Grafana's $__rate_interval: max($__interval + scrape interval, 4 x scrape interval), with
+# $__interval the query step (one scrape interval here)
+RATE_INTERVAL = f"{max(2 * SCRAPE_S, 4 * SCRAPE_S)}s"
+WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "tensor", "block", "cache", "query"]
+
+
+def pool_objects() -> list[dict]:
+    return desired_objects(parse_pool(POOL))
+
+
+def service_monitor(objects: list[dict]) -> dict:
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    return monitor
+
+
+class RouterProcess:
+    """The real `epdserve router` in front of the pool's prefill and decode pods."""
+
+    def __init__(self, model: str, prefill: ServerProcess, decode: ServerProcess):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "epdserve.engine.cli", "router", "--port", str(self.port)]
+        cmd += ["--model", model, "--served-model-name", "tiny", "--log-level", "warning"]
+        cmd += ["--prefill-endpoint", prefill.endpoint, "--decode-endpoint", decode.endpoint]
+        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        try:
+            wait_ready(self.url, self.proc, 60)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(15)
+
+
+def engine_pod(model: str, role: str, redis_url: str) -> ServerProcess:
+    """An engine pod of `role` with KV events on (so the router indexes its blocks)."""
+    events, replay = free_port(), free_port()
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    transfer = {"kv_connector": "RedisConnector", "kv_role": kv_role}
+    transfer["kv_connector_extra_config"] = {"url": redis_url}
+    config = {"enable_kv_cache_events": True, "publisher": "zmq"}
+    config |= {"endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
+    pod = ServerProcess(
+        model,
+        *("--role", role, "--hash-seed", POOL["spec"]["hashSeed"]),
+        *("--kv-transfer-config", json.dumps(transfer)),
+        *("--kv-events-config", json.dumps(config)),
+        api_key=None,
+    )
+    pod.endpoint = f"{pod.url},events={events},replay={replay}"
+    return pod
+
+
+def drive_load(url: str) -> None:
+    """Completions and chat, streamed and not, two at a time; prompts share two prefixes, so
+    prefix-cache hits (local on the prefill pod, from Redis on the decode pod) happen."""
+    rng = random.Random(19)
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(2)]
+
+    def one(i: int) -> None:
+        text = prefixes[i % 2] + " " + " ".join(rng.choice(WORDS) for _ in range(8))
+        body = {"model": "tiny", "max_tokens": 8, "ignore_eos": True, "stream": i % 3 == 0}
+        if i % 4 == 3:
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
+        else:
+            path, body["prompt"] = "/v1/completions", text
+        with httpx.stream("POST", url + path, json=body, timeout=60) as resp:
+            resp.read()
+            assert resp.status_code == 200, resp.text
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(one, range(16)))
+
+
+@pytest.fixture(scope="module")
+def scraped_pool(models, redis_server, tmp_path_factory):
+    """(prometheus, start, end): the pool served load between start and end, and Prometheus
+    scraped every target before and after it."""
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    redis_url = redis_server.url
+    objects = pool_objects()
+    targets = monitor_targets(service_monitor(objects), objects)
+    model = str(models.get("llama"))
+    name = POOL["metadata"]["name"]
+    processes, prom = [], None
+    try:
+        prefill = engine_pod(model, "prefill", redis_url)
+        processes.append(prefill)
+        decode = engine_pod(model, "decode", redis_url)
+        processes.append(decode)
+        router = RouterProcess(model, prefill, decode)
+        processes.append(router)
+        by_deployment = {f"{name}-prefill": prefill, f"{name}-decode": decode}
+        by_deployment[f"{name}-router"] = router
+        assert {t.deployment for t in targets} == set(by_deployment)
+        static = [
+            {"targets": [by_deployment[t.deployment].url.removeprefix("http://")]}
+            | {"labels": dict(t.labels)}
+            for t in targets
+        ]
+        workdir = tmp_path_factory.mktemp("prometheus")
+        prom = PrometheusServer(workdir, static, rule_files=[RULES], interval_s=SCRAPE_S)
+        prom.wait_for(f"count(up == 1) == {len(targets)}", "every target up")
+        start = time.time()
+        drive_load(router.url)
+        end = time.time()
+        prom.wait_for(f"min(timestamp(up)) > {end + SCRAPE_S}", "two scrapes after the load")
+        yield prom, start - 2 * SCRAPE_S, time.time()
+    finally:
+        if prom is not None:
+            prom.stop()
+        for proc in reversed(processes):
+            proc.stop()
+
+
+def grafana_format(values: list[str]) -> str:
+    """A multi-value variable set to All, as Grafana writes it into a Prometheus query."""
+    escaped = [re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\\\1", v) for v in values]
+    return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
+
+
+def substitute(expr: str, variables: dict[str, str]) -> str:
+    for name, value in variables.items():
+        expr = expr.replace("${" + name + "}", value).replace("$" + name, value)
+    return expr
+
+
+def template_variables(prom: PrometheusServer, start: float, end: float) -> dict[str, str]:
+    """Resolve the dashboard's query variables (`label_values(...)`) in order, as Grafana."""
+    variables = {"__rate_interval": RATE_INTERVAL}
+    for var in DASHBOARD["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"])
+        assert match, f"variable {var['name']}: unsupported query {var['query']!r}"
+        selector = substitute(match.group(1), variables)
+        params = {"match[]": selector, "start": start, "end": end}
+        values = prom.api(f"label/{match.group(2)}/values", **params)
+        assert values, f"variable ${var['name']} ({var['query']}) has no values"
+        variables[var["name"]] = grafana_format(values)
+    return variables
+
+
+def panel_targets():
+    for panel in DASHBOARD["panels"]:
+        for target in panel.get("targets", []):
+            yield (
+                f"{panel['title']!r} [{target.get('refId') or target.get('legendFormat')}]",
+                (target["expr"]),
+            )
+
+
+def test_every_dashboard_panel_shows_data_from_a_scraped_pd_pool(scraped_pool):
+    prom, start, end = scraped_pool
+    variables = template_variables(prom, start, end)
+    empty = []
+    for where, expr in panel_targets():
+        query = substitute(expr, variables)
+        assert "$" not in query, f"{where}: unresolved variable in {query}"
+        if finite_points(prom.query_range(query, start, end)) == 0:
+            empty.append(f"{where}: {query}")
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+
+
+def rule_queries() -> list[tuple[str, str]]:
+    """(rule, the query an alert compares with its threshold, or a recording rule's expr)."""
+    out = []
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            expr = " ".join(rule["expr"].split())
+            if "alert" in rule:
+                match = re.fullmatch(r"(.+?)\s*(==|!=|>=|<=|>|<)\s*[0-9.e+-]+", expr)
+                assert match, f"{rule['alert']}: not `<query> <comparison> <threshold>`"
+                expr = match.group(1)
+            out.append((rule.get("alert") or rule["record"], expr))
+    return out
+
+
+def test_every_alert_rule_query_returns_data_and_prometheus_evaluates_the_rules(scraped_pool):
+    prom, _, end = scraped_pool
+    empty = [f"{name}: {q}" for name, q in rule_queries() if not finite_points(prom.query(q, end))]
+    assert not empty, "rule queries without data:\n" + "\n".join(empty)
+    groups = prom.api("rules")["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) == len(rule_queries())
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    firing = [r["name"] for r in rules if r["state"] != "inactive"]
+    assert firing == [], "a healthy pool under light load fires alerts"
+
+
+def chart_service_monitor(values: dict) -> dict:
+    import helm_python as helm
+
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render(values, name="epd", namespace="epdserve-system")
+    docs = [
+        d
+        for path, text in files.items()
+        if path.endswith(".yaml")
+        for d in yaml.safe_load_all(text)
+    ]
+    (monitor,) = [d for d in docs if d and d["kind"] == "ServiceMonitor"]
+    return monitor
+
+
+@pytest.mark.parametrize("name", ["pd-redis", "colocated-text", "epd-multimodal"])
+def test_service_monitors_scrape_every_engine_and_router_pod_on_its_http_port(name):
+    body = example(name)
+    body["spec"]["metrics"] = {"serviceMonitor": {"enabled": True}}
+    objects = desired_objects(parse_pool(body))
+    want = {
+        o["metadata"]["name"]
+        for o in objects
+        if o["kind"] == "Deployment"
+        and o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+        in ("engine", "router")
+    }
+    pool_targets = monitor_targets(service_monitor(objects), objects)
+    assert sorted(t.deployment for t in pool_targets) == sorted(want)  # each pod once
+    for t in pool_targets:
+        assert (t.port, t.path) == (8000, "/metrics"), t
+        assert dict(t.labels)["namespace"] == body["metadata"]["namespace"]
+    namespace = body["metadata"]["namespace"]
+    for values in ({}, {"watchNamespaces": [namespace, "other"]}):
+        chart = chart_service_monitor({**values, "serviceMonitor": {"enabled": True}})
+        assert set(monitor_targets(chart, objects)) == set(pool_targets)
+    elsewhere = chart_service_monitor(
+        {"watchNamespaces": ["other"], "serviceMonitor": {"enabled": True}}
+    )
+    assert monitor_targets(elsewhere, objects) == []
