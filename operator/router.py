@@ -16,6 +16,13 @@ ROUTER_RULES = [
     },
 ]
 
+# Every scraped series gets `pool` and `role` (router pods: role="router"), so dashboards and
+# alerts select a pool's pods by those (the chart's ServiceMonitor adds the same two).
+TARGET_RELABELINGS = [
+    {"sourceLabels": ["__meta_kubernetes_service_label_epdserve_io_pool"], "targetLabel": "pool"},
+    {"sourceLabels": ["__meta_kubernetes_pod_label_epdserve_io_role"], "targetLabel": "role"},
+]
+
 
 def endpoint_url(pool: PoolSpec) -> str:
     """The pool's OpenAI endpoint inside the cluster."""
@@ -185,6 +192,7 @@ def build_service_monitor(pool: PoolSpec) -> dict | None:
     obj_meta = meta.metadata(pool, meta.name_of(pool, "metrics"), "metrics")
     obj_meta["labels"].update(pool.service_monitor["labels"])
     endpoint = {"port": "http", "path": "/metrics", "interval": pool.service_monitor["interval"]}
+    endpoint["relabelings"] = [dict(r) for r in TARGET_RELABELINGS]
     return meta.stamp(
         {
             "apiVersion": "monitoring.coreos.com/v1",
