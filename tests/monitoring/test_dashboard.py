@@ -189,16 +189,34 @@ def panel_targets():
             )
 
 
+def grouping_labels(expr: str) -> set[str]:
+    """Labels the query groups by (`le` is consumed by histogram_quantile)."""
+    found = re.findall(r"\bby\s*\(([^)]*)\)", expr)
+    return {name.strip() for group in found for name in group.split(",")} - {"le", ""}
+
+
+def problems(result: list[dict], expr: str) -> str | None:
+    """Why a query result would leave a panel empty or mislabelled, or None."""
+    if finite_points(result) == 0:
+        return "no data"
+    unlabelled = {k for s in result for k in grouping_labels(expr) if not s["metric"].get(k)}
+    return f"series without {sorted(unlabelled)}" if unlabelled else None
+
+
 def test_every_dashboard_panel_shows_data_from_a_scraped_pd_pool(scraped_pool):
     prom, start, end = scraped_pool
     variables = template_variables(prom, start, end)
-    empty = []
+    failures, roles = [], {}
     for where, expr in panel_targets():
         query = substitute(expr, variables)
         assert "$" not in query, f"{where}: unresolved variable in {query}"
-        if finite_points(prom.query_range(query, start, end)) == 0:
-            empty.append(f"{where}: {query}")
-    assert not empty, "panels without data:\n" + "\n".join(empty)
+        result = prom.query_range(query, start, end)
+        if (why := problems(result, query)) is not None:
+            failures.append(f"{where}: {why}: {query}")
+        if "role" in grouping_labels(query):
+            roles[where] = {s["metric"].get("role") for s in result}
+    assert not failures, "panels without data:\n" + "\n".join(failures)
+    assert roles and all(seen >= {"prefill", "decode"} for seen in roles.values()), roles
 
 
 def rule_queries() -> list[tuple[str, str]]:
@@ -217,8 +235,12 @@ def rule_queries() -> list[tuple[str, str]]:
 
 def test_every_alert_rule_query_returns_data_and_prometheus_evaluates_the_rules(scraped_pool):
     prom, _, end = scraped_pool
-    empty = [f"{name}: {q}" for name, q in rule_queries() if not finite_points(prom.query(q, end))]
-    assert not empty, "rule queries without data:\n" + "\n".join(empty)
+    failures = [
+        f"{name}: {why}: {query}"
+        for name, query in rule_queries()
+        if (why := problems(prom.query(query, end), query)) is not None
+    ]
+    assert not failures, "rule queries without data:\n" + "\n".join(failures)
     groups = prom.api("rules")["groups"]
     rules = [r for g in groups for r in g["rules"]]
     assert len(rules) == len(rule_queries())
@@ -258,7 +280,10 @@ def test_service_monitors_scrape_every_engine_and_router_pod_on_its_http_port(na
     assert sorted(t.deployment for t in pool_targets) == sorted(want)  # each pod once
     for t in pool_targets:
         assert (t.port, t.path) == (8000, "/metrics"), t
-        assert dict(t.labels)["namespace"] == body["metadata"]["namespace"]
+        labels = dict(t.labels)
+        assert labels["namespace"] == body["metadata"]["namespace"], t
+        assert labels["pool"] == body["metadata"]["name"], t  # what the dashboard selects by
+        assert t.deployment == f"{labels['pool']}-{labels['role']}", t  # role: prefill, router...
     namespace = body["metadata"]["namespace"]
     for values in ({}, {"watchNamespaces": [namespace, "other"]}):
         chart = chart_service_monitor({**values, "serviceMonitor": {"enabled": True}})
