@@ -89,14 +89,15 @@ def engine_pod(model: str, role: str, redis_url: str) -> ServerProcess:
     return pod
 
 
-def drive_load(url: str) -> None:
+def drive_load(url: str, requests: range) -> None:
     """Completions and chat, streamed and not, two at a time; prompts share two prefixes, so
     prefix-cache hits (local on the prefill pod, from Redis on the decode pod) happen."""
     rng = random.Random(19)
     prefixes = [" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(2)]
 
     def one(i: int) -> None:
-        text = prefixes[i % 2] + " " + " ".join(rng.choice(WORDS) for _ in range(8))
+        suffix = random.Random(i).choices(WORDS, k=8)
+        text = prefixes[i % 2] + " " + " ".join(suffix)
         body = {"model": "tiny", "max_tokens": 8, "ignore_eos": True, "stream": i % 3 == 0}
         if i % 4 == 3:
             path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
@@ -107,7 +108,7 @@ def drive_load(url: str) -> None:
             assert resp.status_code == 200, resp.text
 
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(one, range(16)))
+        list(pool.map(one, requests))
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +124,12 @@ def scraped_pool(models, redis_server, tmp_path_factory):
     name = POOL["metadata"]["name"]
     processes, prom = [], None
     try:
-        prefill = engine_pod(model, "prefill", redis_url)
-        processes.append(prefill)
-        decode = engine_pod(model, "decode", redis_url)
-        processes.append(decode)
+        with ThreadPoolExecutor(2) as pool:  # both pods start at once
+            starting = [pool.submit(engine_pod, model, r, redis_url) for r in ("prefill", "decode")]
+        for future in starting:  # every started pod is stopped, even if the other failed
+            if future.exception() is None:
+                processes.append(future.result())
+        prefill, decode = (future.result() for future in starting)
         router = RouterProcess(model, prefill, decode)
         processes.append(router)
         by_deployment = {f"{name}-prefill": prefill, f"{name}-decode": decode}
@@ -141,9 +144,10 @@ def scraped_pool(models, redis_server, tmp_path_factory):
         prom = PrometheusServer(workdir, static, rule_files=[RULES], interval_s=SCRAPE_S)
         prom.wait_for(f"count(up == 1) == {len(targets)}", "every target up")
         start = time.time()
-        drive_load(router.url)
-        end = time.time()
-        prom.wait_for(f"min(timestamp(up)) > {end + SCRAPE_S}", "two scrapes after the load")
+        for first in (0, 8):  # two rounds, each followed by a scrape of every target
+            drive_load(router.url, range(first, first + 8))
+            after = f"count(timestamp(up == 1) > {time.time() + SCRAPE_S}) == {len(targets)}"
+            prom.wait_for(after, "two successful scrapes of every target after the load")
         yield prom, start - 2 * SCRAPE_S, time.time()
     finally:
         if prom is not None:
