@@ -296,3 +296,14 @@ def test_service_monitors_scrape_every_engine_and_router_pod_on_its_http_port(na
         {"watchNamespaces": ["other"], "serviceMonitor": {"enabled": True}}
     )
     assert monitor_targets(elsewhere, objects) == []
+
+
+@pytest.mark.parametrize("metric", ["waiting", "kvCacheUsage", "ttftP90"])
+def test_the_operators_keda_queries_return_data_for_each_role(scraped_pool, metric):
+    from epdserve.operator.scalers import prometheus_query
+
+    prom, _, end = scraped_pool
+    pool = parse_pool(POOL)
+    for role in ("prefill", "decode"):
+        query, _ = prometheus_query(pool, role, metric)
+        assert problems(prom.query(query, end), query) is None, (role, query)
