@@ -93,7 +93,12 @@ class AsyncLLM:
             "--output",
             out_addr,
         ]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **core_threads_env()})
+        # Its own session: a signal to the server's process group (a terminal's Ctrl-C, a
+        # runtime signalling the group) reaches only this process, which drains its streams
+        # and then stops the core; the core still dies with this process (PDEATHSIG).
+        self.proc = subprocess.Popen(
+            cmd, env={**os.environ, **core_threads_env()}, start_new_session=True
+        )
         await self._wait_ready()
         self._tasks = [
             asyncio.create_task(self._output_loop()),

@@ -62,7 +62,17 @@ def _refused(url: str) -> bool:
     return resp.status_code == 503
 
 
-def test_sigterm_lets_inflight_streams_finish_refuses_new_work_and_exits_cleanly(pod):
+@pytest.mark.parametrize(
+    "send",
+    [
+        # as the kubelet does: SIGTERM to the server process only
+        pytest.param(lambda pid: os.kill(pid, signal.SIGTERM), id="sigterm-to-the-process"),
+        # as a terminal's Ctrl-C does: SIGINT to the whole process group; the engine core
+        # runs in its own session, so it keeps serving until the drain is over
+        pytest.param(lambda pid: os.killpg(pid, signal.SIGINT), id="sigint-to-the-group"),
+    ],
+)
+def test_an_exit_signal_lets_inflight_streams_finish_refuses_new_work_and_exits_cleanly(pod, send):
     signalled = threading.Event()
     results = [{} for _ in range(STREAMS)]
     started = [threading.Event() for _ in range(STREAMS)]
@@ -75,7 +85,7 @@ def test_sigterm_lets_inflight_streams_finish_refuses_new_work_and_exits_cleanly
     for event in started:
         assert event.wait(60), "a stream never started"
 
-    os.kill(pod.proc.pid, signal.SIGTERM)  # as the kubelet does: the server process only
+    send(pod.proc.pid)
     signalled.set()
     assert _refused(pod.url)
 
