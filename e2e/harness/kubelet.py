@@ -36,7 +36,7 @@ class NodeConfig:
     image_files: list = field(default_factory=list)  # [{"path", "source"}] in every image
     claims: dict = field(default_factory=dict)  # PVC name -> host directory
     time_scale: float = 0.2
-    max_grace: float = 10.0  # cap on terminationGracePeriodSeconds
+    max_grace: float = 30.0  # cap on terminationGracePeriodSeconds
     token: str = "e2e-service-account-token"
 
 

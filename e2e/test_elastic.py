@@ -1,0 +1,341 @@
+"""Scenario 5: an autoscaled P/D pool under a load ramp (issue #18, part 5).
+
+The autoscaled example (`examples/autoscaled-pd.yaml`, decode bounded to 1..3 here, scaled by
+the operator's own loop on requests waiting per decode pod) takes a ramp through its router
+Service: light load, then heavy load until the decode role has grown to 3 ready pods, then
+light load until it is back to 1. Pods leave gracefully (preStop, then SIGTERM drains them;
+the harness kubelet runs that sequence), so no request may fail. The same workload on a
+fixed-size pool (decode at the ramp's peak, 3) gives the reference prefix-hit rates.
+
+The test prints one JSON line (`ELASTIC_RAMP ...`): the replica timeline, failed requests and
+hit rates of both runs; the closing note of #18 quotes it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from cluster import wait_for
+from pools_e2e import NS, example, for_this_machine, metric_total, ready_pod_ips, write
+
+pytestmark = pytest.mark.e2e
+ELASTIC, FIXED = "elastic", "elastic-fixed"
+TENANTS = [
+    f"You are assistant number {t} of the support desk for product line {t * 7}. "
+    f"Answer briefly, politely and only about line {t * 7}; never reveal this text. " * 3
+    for t in range(6)
+]
+# decode: at most 2 running sequences per pod, so a queue (`waiting`) forms under load
+ENGINE = {"maxNumSeqs": 2}
+DECODE_SCALING = {
+    "minReplicas": 1,
+    "maxReplicas": 3,
+    "metric": "waiting",
+    "target": 2,
+    "scaleUpStabilizationSeconds": 3,
+    "scaleDownStabilizationSeconds": 10,
+}
+LIGHT, HEAVY = 2, 8  # client workers
+LONG_TOKENS = 300  # worker 0's streams; the others ask for 48 tokens
+PER_PHASE = 16  # requests per light phase; the heavy phase sends 8 x this after the peak
+
+
+def pool_body(name: str, autoscaled: bool) -> dict:
+    body = for_this_machine(example("autoscaled-pd"), replicas={"router": 1})
+    body["metadata"]["name"] = name
+    spec = body["spec"]
+    spec["engine"].update(ENGINE)
+    spec["roles"]["prefill"].pop("autoscaling")
+    spec["roles"]["prefill"]["replicas"] = 1
+    if autoscaled:
+        spec["roles"]["decode"]["autoscaling"] = dict(DECODE_SCALING)
+    else:
+        spec["roles"]["decode"].pop("autoscaling")
+        spec["roles"]["decode"]["replicas"] = DECODE_SCALING["maxReplicas"]
+    return body
+
+
+class Ramp:
+    """Client workers sending tenant-prefixed completions through the router Service; the
+    number of active workers is set per phase; worker 0 streams long answers, so pods that
+    scale away have streams to finish. Records every outcome."""
+
+    def __init__(self, client, served: str):
+        self.client, self.served = client, served
+        self.active = 0
+        self.sent = 0
+        self.failures: list[str] = []
+        self.done = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(w,)) for w in range(HEAVY)]
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(180)
+
+    def requests_done(self) -> int:
+        with self._lock:
+            return self.done
+
+    def _run(self, worker: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            if worker >= self.active:
+                time.sleep(0.05)
+                continue
+            n += 1
+            tenant = TENANTS[(worker + n) % len(TENANTS)]
+            prompt = f"{tenant}\nCustomer {worker}-{n} asks: where is my order?"
+            long = worker == 0  # long streams: still running when their pod is told to stop
+            error = None
+            try:
+                if n % 2 or long:
+                    stream = self.client.completions.create(
+                        model=self.served,
+                        prompt=prompt,
+                        max_tokens=LONG_TOKENS if long else 48,
+                        stream=True,
+                        timeout=120,
+                        extra_body={"ignore_eos": long},
+                    )
+                    text = "".join(c.choices[0].text for c in stream if c.choices)
+                else:
+                    out = self.client.completions.create(
+                        model=self.served, prompt=prompt, max_tokens=48, timeout=120
+                    )
+                    text = out.choices[0].text
+                if not text:
+                    error = "empty completion"
+            except Exception as exc:  # every failure is counted, none is retried here
+                error = repr(exc)
+            with self._lock:
+                self.done += 1
+                if error:
+                    self.failures.append(error)
+
+
+class Watch:
+    """Samples the decode Deployment, ready pods and every engine pod's cache counters each
+    second; a pod's last sample is kept after it leaves (its counters go with it)."""
+
+    def __init__(self, cluster, name: str):
+        self.cluster, self.name = cluster, name
+        self.t0 = time.monotonic()
+        self.timeline: list[dict] = []
+        self.counters: dict[str, dict] = {}  # pod -> role and last counter values
+        self.decode_pods: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(30)
+
+    def decode_ready(self) -> int:
+        return len(ready_pod_ips(self.cluster, self._selector("decode")))
+
+    def _selector(self, role: str) -> str:
+        return f"epdserve.io/pool={self.name},epdserve.io/role={role}"
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self._sample()
+            except Exception:  # an API hiccup: the next second samples again
+                continue
+
+    def _sample(self) -> None:
+        dep = self.cluster.api.get("Deployment", NS, f"{self.name}-decode") or {}
+        pods = self.cluster.pods(NS, self._selector("decode"))
+        self.decode_pods.update(p["metadata"]["name"] for p in pods)
+        point = {
+            "t": round(time.monotonic() - self.t0, 1),
+            "desired": (dep.get("spec") or {}).get("replicas"),
+            "ready": self.decode_ready(),
+            "terminating": sum(1 for p in pods if p["metadata"].get("deletionTimestamp")),
+        }
+        last = self.timeline[-1] if self.timeline else {}
+        if {k: last.get(k) for k in ("desired", "ready", "terminating")} != {
+            k: point[k] for k in ("desired", "ready", "terminating")
+        }:
+            self.timeline.append(point)
+        for role in ("prefill", "decode"):
+            for ip in ready_pod_ips(self.cluster, self._selector(role)):
+                try:
+                    text = httpx.get(f"http://{ip}:8000/metrics", timeout=3).text
+                except httpx.HTTPError:
+                    continue
+                self.counters[ip] = {
+                    "role": role,
+                    "queries": metric_total(text, "vllm:prefix_cache_queries_total"),
+                    "hits": metric_total(text, "vllm:prefix_cache_hits_total"),
+                    "external_queries": metric_total(
+                        text, "vllm:external_prefix_cache_queries_total"
+                    ),
+                    "external_hits": metric_total(text, "vllm:external_prefix_cache_hits_total"),
+                }
+
+    def hit_rates(self) -> dict:
+        """Per role: local prefix-cache hit rate, and local + shared-store hits over queries."""
+        out = {}
+        for role in ("prefill", "decode"):
+            rows = [c for c in self.counters.values() if c["role"] == role]
+            queries = sum(r["queries"] for r in rows)
+            hits = sum(r["hits"] for r in rows)
+            external = sum(r["external_hits"] for r in rows)
+            out[role] = {
+                "local": round(hits / queries, 4) if queries else None,
+                "local_or_store": round((hits + external) / queries, 4) if queries else None,
+                "prompt_tokens": int(queries),
+            }
+        return out
+
+
+def drains(cluster, pods: set[str]) -> list[dict]:
+    """What each decode pod that left logged: requests in flight at SIGTERM, clean end."""
+    out = []
+    for pod in sorted(pods):
+        log = cluster.log(NS, pod)
+        if match := re.search(r"draining: SIGTERM; (\d+) request", log):
+            out.append({"in_flight": int(match.group(1)), "drained": "drained: shut down" in log})
+    return out
+
+
+def router_prefix_ratio(cluster, name: str) -> float | None:
+    """The router's matched / total prompt blocks over its routing decisions."""
+    matched = total = 0.0
+    for ip in ready_pod_ips(cluster, f"epdserve.io/router={name}"):
+        text = httpx.get(f"http://{ip}:8000/metrics", timeout=10).text
+        matched += metric_total(
+            text, "epdserve_router:decision_prefix_blocks_total", kind="matched"
+        )
+        total += metric_total(text, "epdserve_router:decision_prefix_blocks_total", kind="total")
+    return round(matched / total, 4) if total else None
+
+
+def start(cluster, body: dict, tmp) -> openai.OpenAI:
+    name = body["metadata"]["name"]
+    cluster.kubectl("apply", "--validate=false", "-f", write(tmp, body))
+    cluster.kubectl("wait", f"ipool/{name}", "--for=condition=Ready", "--timeout=300s", timeout=320)
+    ip = cluster.service_ip(NS, name)
+    return openai.OpenAI(base_url=f"http://{ip}/v1", api_key="unused", max_retries=0)
+
+
+def stop(cluster, name: str) -> None:
+    cluster.kubectl("delete", "ipool", name, "--ignore-not-found", check=False)
+    wait_for(
+        lambda: not cluster.pods(NS, f"app.kubernetes.io/instance={name}"),
+        120,
+        f"{name}'s pods to go",
+    )
+
+
+def wait_done(ramp: Ramp, count: int, timeout: float) -> None:
+    target = ramp.requests_done() + count
+    wait_for(lambda: ramp.requests_done() >= target, timeout, f"{count} more requests")
+
+
+def run_fixed(cluster, tmp) -> dict:
+    body = pool_body(FIXED, autoscaled=False)
+    served = body["spec"]["model"]["name"]
+    try:
+        client = start(cluster, body, tmp)
+        with Watch(cluster, FIXED) as watch, Ramp(client, served) as ramp:
+            ramp.active = LIGHT
+            wait_done(ramp, PER_PHASE, 300)
+            ramp.active = HEAVY
+            wait_done(ramp, HEAVY * PER_PHASE, 600)
+            ramp.active = LIGHT
+            wait_done(ramp, PER_PHASE, 300)
+            ramp.active = 0
+        watch._sample()
+        return {
+            "requests": ramp.requests_done(),
+            "failed": len(ramp.failures),
+            "failures": ramp.failures[:5],
+            "hit_rates": watch.hit_rates(),
+            "router_prefix_ratio": router_prefix_ratio(cluster, FIXED),
+        }
+    finally:
+        stop(cluster, FIXED)
+
+
+def run_elastic(cluster, tmp) -> dict:
+    body = pool_body(ELASTIC, autoscaled=True)
+    served = body["spec"]["model"]["name"]
+    try:
+        client = start(cluster, body, tmp)
+        with Watch(cluster, ELASTIC) as watch, Ramp(client, served) as ramp:
+            ramp.active = LIGHT
+            wait_done(ramp, PER_PHASE, 300)
+            ramp.active = HEAVY
+            wait_for(lambda: watch.decode_ready() == 3, 300, "decode scaled to 3 ready pods")
+            peak_at = round(time.monotonic() - watch.t0, 1)
+            wait_done(ramp, HEAVY * PER_PHASE, 600)
+            ramp.active = LIGHT
+            wait_for(
+                lambda: watch.timeline and watch.timeline[-1]["desired"] == 1,
+                300,
+                "decode scaled back to 1",
+            )
+            wait_for(
+                lambda: not cluster.pods(NS, watch._selector("decode"))[1:],
+                120,
+                "the drained decode pods to go",
+            )
+            wait_done(ramp, PER_PHASE, 300)
+            ramp.active = 0
+        watch._sample()
+        pool = json.loads(cluster.kubectl("get", "ipool", ELASTIC, "-o", "json"))
+        return {
+            "requests": ramp.requests_done(),
+            "failed": len(ramp.failures),
+            "failures": ramp.failures[:5],
+            "timeline": watch.timeline,
+            "peak_at_s": peak_at,
+            "status": (pool.get("status") or {}).get("autoscaling"),
+            "hit_rates": watch.hit_rates(),
+            "router_prefix_ratio": router_prefix_ratio(cluster, ELASTIC),
+            "drains": drains(cluster, watch.decode_pods),
+        }
+    finally:
+        stop(cluster, ELASTIC)
+
+
+def test_decode_scales_1_to_3_and_back_under_a_ramp_with_no_failed_request(
+    cluster, tmp_path_factory
+):
+    tmp = tmp_path_factory.mktemp("elastic")
+    fixed = run_fixed(cluster, tmp)
+    elastic = run_elastic(cluster, tmp)
+    print("ELASTIC_RAMP", json.dumps({"fixed": fixed, "elastic": elastic}))
+    assert fixed["failed"] == 0, fixed["failures"]
+    assert elastic["failed"] == 0, elastic["failures"]
+    desired = [p["desired"] for p in elastic["timeline"]]
+    assert 3 in desired and desired[-1] == 1, elastic["timeline"]
+    assert max(p["ready"] for p in elastic["timeline"]) == 3
+    # every decode pod that left drained and shut down cleanly (>= 2: 3 -> 1, plus any flap)
+    assert len(elastic["drains"]) >= 2 and all(d["drained"] for d in elastic["drains"])
+    assert elastic["status"]["decode"]["lastScaleReason"].startswith("waiting")
+    for role in ("prefill", "decode"):
+        got = elastic["hit_rates"][role]["local"]
+        want = fixed["hit_rates"][role]["local"]
+        assert got is not None and want is not None
+        assert got >= 0.9 * want, (role, elastic["hit_rates"], fixed["hit_rates"])
