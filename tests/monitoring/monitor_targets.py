@@ -23,6 +23,12 @@ class Target:
     labels: tuple[tuple[str, str], ...]
 
 
+def service_monitor(objects: list[dict]) -> dict:
+    """The one ServiceMonitor among a pool's objects."""
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    return monitor
+
+
 def selects(selector: dict, labels: dict[str, str]) -> bool:
     """A Kubernetes label selector (matchLabels + matchExpressions) against labels."""
     if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):

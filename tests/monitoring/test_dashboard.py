@@ -3,8 +3,9 @@
 A prefill pod, a decode pod (real `epdserve serve` processes sharing a real redis-server) and
 a real router serve a few requests; a real Prometheus scrapes them with exactly the target
 labels the operator's ServiceMonitor gives them under prometheus-operator (derived from the
-built objects, not written by hand). Every dashboard expression and every alert expression is
-then evaluated through Prometheus's HTTP API and must return data.
+built objects, not written by hand). Every dashboard expression, every alert expression and
+the operator's KEDA queries are then evaluated through Prometheus's HTTP API and must return
+data.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import httpx
 import pytest
 import yaml
 from ipool_samples import ROOT, example
-from monitor_targets import monitor_targets
+from monitor_targets import monitor_targets, service_monitor
 from prometheus_support import PrometheusServer, finite_points
 from serving_support import ServerProcess, free_port, wait_ready
 
 from epdserve.operator.desired import desired_objects
+from epdserve.operator.scalers import prometheus_query
 from epdserve.operator.spec import parse_pool
 
 CHART = ROOT / "charts" / "epdserve"
@@ -33,19 +35,10 @@ DASHBOARD = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
 RULES = CHART / "files" / "prometheus-rules.yaml"
 POOL = example("pd-redis")  # the shipped P/D example: it enables the pool's ServiceMonitor
 SCRAPE_S = 1
-# Grafana's $__rate_interval: max($__interval + scrape interval, 4 x scrape interval), with
-# $__interval the query step (one scrape interval here)
-RATE_INTERVAL = f"{max(2 * SCRAPE_S, 4 * SCRAPE_S)}s"
+# Grafana's $__rate_interval: max($__interval + scrape interval, 4 x scrape interval), where
+# $__interval is the query step (one scrape interval here)
+RATE_INTERVAL = f"{max(SCRAPE_S + SCRAPE_S, 4 * SCRAPE_S)}s"
 WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "tensor", "block", "cache", "query"]
-
-
-def pool_objects() -> list[dict]:
-    return desired_objects(parse_pool(POOL))
-
-
-def service_monitor(objects: list[dict]) -> dict:
-    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
-    return monitor
 
 
 class RouterProcess:
@@ -118,7 +111,7 @@ def scraped_pool(models, redis_server, tmp_path_factory):
     if redis_server.proc is None or redis_server.proc.poll() is not None:
         redis_server.start()
     redis_url = redis_server.url
-    objects = pool_objects()
+    objects = desired_objects(parse_pool(POOL))
     targets = monitor_targets(service_monitor(objects), objects)
     model = str(models.get("llama"))
     name = POOL["metadata"]["name"]
@@ -187,10 +180,7 @@ def template_variables(prom: PrometheusServer, start: float, end: float) -> dict
 def panel_targets():
     for panel in DASHBOARD["panels"]:
         for target in panel.get("targets", []):
-            yield (
-                f"{panel['title']!r} [{target.get('refId') or target.get('legendFormat')}]",
-                (target["expr"]),
-            )
+            yield f"{panel['title']!r} [{target['refId']}]", target["expr"]
 
 
 def grouping_labels(expr: str) -> set[str]:
@@ -219,7 +209,7 @@ def test_every_dashboard_panel_shows_data_from_a_scraped_pd_pool(scraped_pool):
             failures.append(f"{where}: {why}: {query}")
         if "role" in grouping_labels(query):
             roles[where] = {s["metric"].get("role") for s in result}
-    assert not failures, "panels without data:\n" + "\n".join(failures)
+    assert not failures, "panels that would be empty or mislabelled:\n" + "\n".join(failures)
     assert roles and all(seen >= {"prefill", "decode"} for seen in roles.values()), roles
 
 
@@ -253,55 +243,8 @@ def test_every_alert_rule_query_returns_data_and_prometheus_evaluates_the_rules(
     assert firing == [], "a healthy pool under light load fires alerts"
 
 
-def chart_service_monitor(values: dict) -> dict:
-    import helm_python as helm
-
-    with helm.Chart.load(CHART) as chart:
-        files = chart.render(values, name="epd", namespace="epdserve-system")
-    docs = [
-        d
-        for path, text in files.items()
-        if path.endswith(".yaml")
-        for d in yaml.safe_load_all(text)
-    ]
-    (monitor,) = [d for d in docs if d and d["kind"] == "ServiceMonitor"]
-    return monitor
-
-
-@pytest.mark.parametrize("name", ["pd-redis", "colocated-text", "epd-multimodal"])
-def test_service_monitors_scrape_every_engine_and_router_pod_on_its_http_port(name):
-    body = example(name)
-    body["spec"]["metrics"] = {"serviceMonitor": {"enabled": True}}
-    objects = desired_objects(parse_pool(body))
-    want = {
-        o["metadata"]["name"]
-        for o in objects
-        if o["kind"] == "Deployment"
-        and o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
-        in ("engine", "router")
-    }
-    pool_targets = monitor_targets(service_monitor(objects), objects)
-    assert sorted(t.deployment for t in pool_targets) == sorted(want)  # each pod once
-    for t in pool_targets:
-        assert (t.port, t.path) == (8000, "/metrics"), t
-        labels = dict(t.labels)
-        assert labels["namespace"] == body["metadata"]["namespace"], t
-        assert labels["pool"] == body["metadata"]["name"], t  # what the dashboard selects by
-        assert t.deployment == f"{labels['pool']}-{labels['role']}", t  # role: prefill, router...
-    namespace = body["metadata"]["namespace"]
-    for values in ({}, {"watchNamespaces": [namespace, "other"]}):
-        chart = chart_service_monitor({**values, "serviceMonitor": {"enabled": True}})
-        assert set(monitor_targets(chart, objects)) == set(pool_targets)
-    elsewhere = chart_service_monitor(
-        {"watchNamespaces": ["other"], "serviceMonitor": {"enabled": True}}
-    )
-    assert monitor_targets(elsewhere, objects) == []
-
-
 @pytest.mark.parametrize("metric", ["waiting", "kvCacheUsage", "ttftP90"])
 def test_the_operators_keda_queries_return_data_for_each_role(scraped_pool, metric):
-    from epdserve.operator.scalers import prometheus_query
-
     prom, _, end = scraped_pool
     pool = parse_pool(POOL)
     for role in ("prefill", "decode"):
