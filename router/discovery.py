@@ -63,8 +63,16 @@ def pod_is_ready(pod) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
 
 
+RELIST_S = 15.0
+
+
 class KubernetesDiscovery:
-    """Watches Pods matching ``selector`` in ``namespace``; ready pods are routed to."""
+    """Watches Pods matching ``selector`` in ``namespace``; ready pods are routed to.
+
+    Each watch lasts ``relist_s`` (server-side timeout) and is followed by a fresh LIST, so a
+    watch that goes silent without an error (a proxy or load balancer dropping the stream, a
+    lost event) leaves the routed pods stale for at most about ``relist_s`` + 5 s: the client
+    also drops a stream that sends nothing for that long."""
 
     def __init__(
         self,
@@ -75,18 +83,22 @@ class KubernetesDiscovery:
         replay_port: int | None,
         resync_backoff: float = 2.0,
         kubeconfig: str | None = None,
+        relist_s: float = RELIST_S,
     ) -> None:
         self.namespace, self.selector = namespace, selector
         self.kubeconfig = kubeconfig
         self._terms = parse_selector(selector)
         self.target_port, self.events_port, self.replay_port = target_port, events_port, replay_port
         self.resync_backoff = resync_backoff
+        self.relist_s = relist_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch = None
         self._api = None
         self._known: dict[str, str] = {}  # k8s pod name -> router pod name
+        self._listed = False
         self.errors = 0
+        self.missed = 0  # relists that found changes the watch had not delivered
 
     def start(self, router: Router) -> None:
         """Start the list+watch thread."""
@@ -122,7 +134,9 @@ class KubernetesDiscovery:
         while not self._stop.is_set():
             try:
                 api = self._api = self._api or self._client()
-                listing = api.list_namespaced_pod(self.namespace, label_selector=self.selector)
+                listing = api.list_namespaced_pod(
+                    self.namespace, label_selector=self.selector, _request_timeout=10
+                )
                 self._sync(router, listing.items)
                 self._watch = watch.Watch()
                 for event in self._watch.stream(
@@ -130,7 +144,11 @@ class KubernetesDiscovery:
                     self.namespace,
                     label_selector=self.selector,
                     resource_version=listing.metadata.resource_version,
-                    timeout_seconds=60,
+                    timeout_seconds=max(1, round(self.relist_s)),
+                    _request_timeout=(
+                        10,
+                        self.relist_s + min(5.0, self.relist_s),
+                    ),  # silent: dropped
                 ):
                     if self._stop.is_set():
                         break
@@ -152,11 +170,21 @@ class KubernetesDiscovery:
         present = {
             p.metadata.name for p in pods if selector_matches(self._terms, p.metadata.labels)
         }
+        before = dict(self._known)
         for name in list(self._known):
             if name not in present:
                 router.remove_pod(self._known.pop(name))
         for pod in pods:
             self._on_event(router, "MODIFIED", pod)
+        if self._listed and before != self._known:
+            self.missed += 1
+            log.info(
+                "kubernetes discovery: the relist changed the routed pods (%d -> %d): the watch "
+                "had not delivered every change",
+                len(before),
+                len(self._known),
+            )
+        self._listed = True
 
     def _on_event(self, router: Router, kind: str, pod) -> None:
         name = pod.metadata.name

@@ -68,11 +68,11 @@ class DeploymentController:
         if not (recreate and old):
             for _ in range(want - len(current)):
                 self._create_pod(dep, current_hash)
-        if len(current) > want:  # scale down: not-ready and newest first
-            doomed = sorted(
-                current,
-                key=lambda p: (pod_ready(p), p["metadata"].get("creationTimestamp", "")),
-            )[: len(current) - want]
+        if len(current) > want:  # scale down: not-ready first, then newest first
+            newest_first = sorted(
+                current, key=lambda p: p["metadata"].get("creationTimestamp", ""), reverse=True
+            )
+            doomed = sorted(newest_first, key=pod_ready)[: len(current) - want]
             for p in doomed:
                 self.api.delete("Pod", meta["namespace"], p["metadata"]["name"])
         ready = sum(map(pod_ready, pods))

@@ -4,6 +4,8 @@ process-local thread; the kubernetes client talks to it as to a cluster)."""
 from __future__ import annotations
 
 import asyncio
+import http.server
+import json
 import socket
 import threading
 import time
@@ -116,6 +118,78 @@ def test_ready_pods_matching_the_selector_come_and_go(emulator, tmp_path):
     finally:
         discovery.stop()
         router.close()
+
+
+class StalledWatchApi:
+    """A stand-in API server whose LIST answers but whose WATCH sends its headers and then
+    nothing, as a stream silently dropped by a proxy or load balancer looks to a client."""
+
+    def __init__(self) -> None:
+        self.pods: list[dict] = []
+        self.watches = 0
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if "watch=true" in self.path.lower():
+                    api.watches += 1
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()
+                    time.sleep(30)  # never an event, never an end
+                    return
+                body = json.dumps(
+                    {
+                        "kind": "PodList",
+                        "apiVersion": "v1",
+                        "metadata": {"resourceVersion": "1"},
+                        "items": list(api.pods),
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_watch_that_goes_silent_is_dropped_and_the_relist_catches_up(tmp_path):
+    api = StalledWatchApi()
+    api.pods.append(pod("e0", "10.0.0.1"))
+    router = Router(make_strategy("round-robin"), None, subscribe=False)
+    discovery = KubernetesDiscovery(
+        "ns",
+        "app=engine",
+        8000,
+        5557,
+        5558,
+        kubeconfig=kubeconfig(tmp_path, api.url),
+        relist_s=1,
+        resync_backoff=0.1,
+    )
+    discovery.start(router)
+    try:
+        wait_for(lambda: names(router) == {"10.0.0.1:8000"})
+        wait_for(lambda: api.watches >= 1)
+        api.pods[:] = [pod("e1", "10.0.0.2")]  # a change the silent watch never tells
+        wait_for(lambda: names(router) == {"10.0.0.2:8000"})
+        assert discovery.missed >= 1
+    finally:
+        discovery.stop()
+        router.close()
+        api.close()
 
 
 def test_selector_terms_match_like_kubernetes():
