@@ -162,7 +162,7 @@ def build(args: argparse.Namespace):
     metrics = RouterMetrics()
     root_check = RootHashCheck(metrics)  # one per pool: every role's pods must agree
 
-    def new_router(role_strategy=strategy) -> Router:
+    def new_router(role="colocated", role_strategy=strategy) -> Router:
         return Router(
             role_strategy,
             tokenizer,
@@ -172,6 +172,7 @@ def build(args: argparse.Namespace):
             speculative_ttl=args.speculative_ttl,
             default_block_size=args.block_size,
             root_check=root_check,
+            engine_role=role,
         )
 
     router = new_router()
@@ -181,7 +182,9 @@ def build(args: argparse.Namespace):
         pairs = [(router, StaticDiscovery(endpoints))]
         if args.prefill_endpoint or args.decode_endpoint:
             disagg = DisaggRouters(
-                new_router(), new_router(), new_router(make_strategy("least-load"))
+                new_router("prefill"),
+                new_router("decode"),
+                new_router("encoder", make_strategy("least-load")),
             )
             for role_router, specs in (
                 (disagg.prefill, args.prefill_endpoint),
@@ -206,7 +209,9 @@ def build(args: argparse.Namespace):
             pairs = [(router, k8s(args.selector))]
         else:  # a whole pool: split its pods by role
             disagg = DisaggRouters(
-                new_router(), new_router(), new_router(make_strategy("least-load"))
+                new_router("prefill"),
+                new_router("decode"),
+                new_router("encoder", make_strategy("least-load")),
             )
             pairs = [(router, k8s(f"{args.selector},{ROLE_LABEL}=colocated"))]
             for role in ("prefill", "decode", "encoder"):

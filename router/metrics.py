@@ -38,15 +38,19 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
-        self.pods = Gauge(P + "pods", "Known pods by state", ["state"], registry=r)
+        # engine_role: the pods one of the router's per-role routers routes to (colocated,
+        # prefill, decode, encoder); not `role`, which scrapes attach from the router pod
+        self.pods = Gauge(
+            P + "pods", "Known pods by engine role and state", ["engine_role", "state"], registry=r
+        )
         self.inflight = Gauge(
             P + "inflight_requests", "Requests in flight per pod", ["pod"], registry=r
         )
         self.index_blocks = Gauge(
             P + "index_blocks",
             "Blocks held by the prefix index, summed over pods, by tier (local: a pod's own "
-            "cache; store: the pool's shared store)",
-            ["tier"],
+            "cache; store: the pool's shared store) and engine role",
+            ["engine_role", "tier"],
             registry=r,
         )
         self.index_evictions = Counter(

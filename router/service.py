@@ -46,8 +46,10 @@ class Router:
         speculative_ttl: float = 2.0,
         default_block_size: int = 16,
         root_check: RootHashCheck | None = None,
+        engine_role: str = "colocated",
     ) -> None:
         self.strategy, self.tokenizer = strategy, tokenizer
+        self.engine_role = engine_role  # which of the pool's pods this router routes to
         self.served_model_name = served_model_name
         self.index = index or PrefixIndex()
         self.metrics = metrics or RouterMetrics()
@@ -156,8 +158,8 @@ class Router:
     def _update_pod_gauges(self) -> None:
         pods = self.pods()
         healthy = sum(1 for p in pods if p.healthy)
-        self.metrics.pods.labels("healthy").set(healthy)
-        self.metrics.pods.labels("unhealthy").set(len(pods) - healthy)
+        self.metrics.pods.labels(self.engine_role, "healthy").set(healthy)
+        self.metrics.pods.labels(self.engine_role, "unhealthy").set(len(pods) - healthy)
 
     def close(self) -> None:
         """Stop every subscriber."""
@@ -255,9 +257,9 @@ class Router:
             self._evicted_seen = evicted
 
     def update_index_gauges(self) -> None:
-        """``index_blocks{tier}`` from the index now."""
+        """``index_blocks{engine_role,tier}`` from the index now."""
         for tier, n in self.index.tier_block_counts().items():
-            self.metrics.index_blocks.labels(tier).set(n)
+            self.metrics.index_blocks.labels(self.engine_role, tier).set(n)
 
 
 def _salt(body: dict) -> str | None:

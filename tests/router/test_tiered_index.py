@@ -119,5 +119,26 @@ def test_router_labels_a_store_win_and_exports_blocks_per_tier():
     assert routing.order[0].reason == "store_hit"
     router.record(routing, routing.order[0].pod, 0)
     text = router.metrics.render().decode()
-    assert 'epdserve_router:index_blocks{tier="store"} 4.0' in text
+    assert 'epdserve_router:index_blocks{engine_role="colocated",tier="store"} 4.0' in text
     assert 'reason="store_hit"' in text
+
+
+def test_per_role_routers_sharing_metrics_report_their_own_pods_and_blocks():
+    metrics = RouterMetrics()
+    prefill, decode = (
+        Router(make_strategy("prefix+load"), None, metrics=metrics, subscribe=False, engine_role=r)
+        for r in ("prefill", "decode")
+    )
+    for router, names in ((prefill, ("p0",)), (decode, ("d0", "d1"))):
+        for name in names:
+            router.add_pod(PodEndpoint(name, f"http://{name}:8000", "", ""))
+    prefill.index.apply("p0", batch(stored([1, 2, 3, 4], None, PROMPT, STORE_MEDIUM)))
+    prefill.update_index_gauges()
+    decode.set_health("d1", False)
+    decode.update_index_gauges()  # the decode index is empty: must not hide prefill's blocks
+    text = metrics.render().decode()
+    assert 'epdserve_router:pods{engine_role="prefill",state="healthy"} 1.0' in text
+    assert 'epdserve_router:pods{engine_role="decode",state="healthy"} 1.0' in text
+    assert 'epdserve_router:pods{engine_role="decode",state="unhealthy"} 1.0' in text
+    assert 'epdserve_router:index_blocks{engine_role="prefill",tier="store"} 4.0' in text
+    assert 'epdserve_router:index_blocks{engine_role="decode",tier="store"} 0.0' in text
