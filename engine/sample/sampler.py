@@ -74,15 +74,21 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Exponential race (argmax of p / Exp(1)), one generator per seeded row."""
-    probs = logits.softmax(-1)
-    q = torch.empty_like(probs)
+    """Inverse-CDF draw: one uniform number per row against the row's cumulative
+    probabilities (float64), one generator per seeded row. The same distribution as an
+    exponential race (argmax of p / Exp(1)) at one random number per row instead of one per
+    vocabulary entry: [64, 4096] on one CPU thread ~0.4 ms instead of ~4 ms."""
+    cdf = logits.softmax(-1).cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.empty_like(total)
     seeded = [i for i, r in enumerate(rows) if r.generator is not None]
     if len(seeded) < len(rows):
-        q.exponential_()
+        u.uniform_()
     for i in seeded:
-        q[i].exponential_(generator=rows[i].generator)
-    return probs.div_(q).argmax(-1)
+        u[i].uniform_(generator=rows[i].generator)
+    # strictly below the total: the first entry above u has non-zero probability
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).view(-1)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], all_greedy: bool) -> torch.Tensor:

@@ -1,0 +1,39 @@
+"""The random sampler draws from the filtered distribution (no model: logits are given)."""
+
+from __future__ import annotations
+
+import torch
+
+from epdserve.engine.sample.sampler import SamplingRow, sample
+from epdserve.engine.sampling_params import SamplingParams
+
+PROBS = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
+
+
+def rows(n, seed=None, **params):
+    gen = (lambda: torch.Generator().manual_seed(seed)) if seed is not None else (lambda: None)
+    return [SamplingRow(SamplingParams(temperature=1.0, **params), gen()) for _ in range(n)]
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token():
+    torch.manual_seed(0)
+    n = 40_000
+    tokens = sample(PROBS.log().repeat(n, 1), rows(n), all_greedy=False)
+    freq = torch.bincount(tokens, minlength=len(PROBS)).double() / n
+    assert freq[1] == 0 and freq[5] == 0
+    assert torch.allclose(freq, PROBS.double(), atol=0.01), freq
+
+
+def test_top_k_masked_tokens_are_never_drawn():
+    torch.manual_seed(1)
+    tokens = sample(PROBS.log().repeat(2000, 1), rows(2000, top_k=2), all_greedy=False)
+    assert set(tokens.tolist()) == {3, 4}
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_its_neighbours():
+    logits = torch.randn(1, 64)
+    alone = sample(logits.clone(), rows(1, seed=7), all_greedy=False)
+    torch.manual_seed(123)
+    batch = torch.cat([torch.randn(3, 64), logits])
+    mixed = sample(batch, rows(3) + rows(1, seed=7), all_greedy=False)
+    assert mixed[3] == alone[0]
