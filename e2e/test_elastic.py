@@ -100,25 +100,23 @@ class Ramp:
             tenant = TENANTS[(worker + n) % len(TENANTS)]
             prompt = f"{tenant}\nCustomer {worker}-{n} asks: where is my order?"
             long = worker == 0  # long streams: still running when their pod is told to stop
+            tokens = LONG_TOKENS if long else 48
             error = None
-            try:
+            try:  # every answer runs to max_tokens (ignore_eos): a cut one shows as an error
+                common = {"model": self.served, "prompt": prompt, "max_tokens": tokens}
+                extra = {"extra_body": {"ignore_eos": True}, "timeout": 120}
                 if n % 2 or long:
-                    stream = self.client.completions.create(
-                        model=self.served,
-                        prompt=prompt,
-                        max_tokens=LONG_TOKENS if long else 48,
-                        stream=True,
-                        timeout=120,
-                        extra_body={"ignore_eos": long},
-                    )
-                    text = "".join(c.choices[0].text for c in stream if c.choices)
+                    stream = self.client.completions.create(**common, stream=True, **extra)
+                    finish, got = None, 0
+                    for chunk in stream:
+                        for choice in chunk.choices:
+                            got += 1 if choice.text else 0
+                            finish = choice.finish_reason or finish
                 else:
-                    out = self.client.completions.create(
-                        model=self.served, prompt=prompt, max_tokens=48, timeout=120
-                    )
-                    text = out.choices[0].text
-                if not text:
-                    error = "empty completion"
+                    out = self.client.completions.create(**common, **extra)
+                    finish, got = out.choices[0].finish_reason, out.usage.completion_tokens
+                if finish != "length" or not got:
+                    error = f"answer cut: finish_reason {finish!r}, {got} chunk(s)/token(s)"
             except Exception as exc:  # every failure is counted, none is retried here
                 error = repr(exc)
             with self._lock:
@@ -218,16 +216,20 @@ def drains(cluster, pods: set[str]) -> list[dict]:
     return out
 
 
-def router_prefix_ratio(cluster, name: str) -> float | None:
-    """The router's matched / total prompt blocks over its routing decisions."""
+def router_view(cluster, name: str) -> dict:
+    """The routers' matched / total prompt blocks over their decisions, and their index's
+    blocks per tier (store: announced by the pods' saves to Redis, over ZMQ)."""
     matched = total = 0.0
+    tiers = {"local": 0.0, "store": 0.0}
     for ip in ready_pod_ips(cluster, f"epdserve.io/router={name}"):
         text = httpx.get(f"http://{ip}:8000/metrics", timeout=10).text
         matched += metric_total(
             text, "epdserve_router:decision_prefix_blocks_total", kind="matched"
         )
         total += metric_total(text, "epdserve_router:decision_prefix_blocks_total", kind="total")
-    return round(matched / total, 4) if total else None
+        for tier in tiers:
+            tiers[tier] += metric_total(text, "epdserve_router:index_blocks", tier=tier)
+    return {"prefix_ratio": round(matched / total, 4) if total else None, "index_blocks": tiers}
 
 
 def start(cluster, body: dict, tmp) -> openai.OpenAI:
@@ -271,7 +273,7 @@ def run_fixed(cluster, tmp) -> dict:
             "failed": len(ramp.failures),
             "failures": ramp.failures[:5],
             "hit_rates": watch.hit_rates(),
-            "router_prefix_ratio": router_prefix_ratio(cluster, FIXED),
+            "router": router_view(cluster, FIXED),
         }
     finally:
         stop(cluster, FIXED)
@@ -312,7 +314,7 @@ def run_elastic(cluster, tmp) -> dict:
             "peak_at_s": peak_at,
             "status": (pool.get("status") or {}).get("autoscaling"),
             "hit_rates": watch.hit_rates(),
-            "router_prefix_ratio": router_prefix_ratio(cluster, ELASTIC),
+            "router": router_view(cluster, ELASTIC),
             "drains": drains(cluster, watch.decode_pods),
         }
     finally:
@@ -334,6 +336,7 @@ def test_decode_scales_1_to_3_and_back_under_a_ramp_with_no_failed_request(
     # every decode pod that left drained and shut down cleanly (>= 2: 3 -> 1, plus any flap)
     assert len(elastic["drains"]) >= 2 and all(d["drained"] for d in elastic["drains"])
     assert elastic["status"]["decode"]["lastScaleReason"].startswith("waiting")
+    assert all(run["router"]["index_blocks"]["store"] > 0 for run in (fixed, elastic))
     for role in ("prefill", "decode"):
         got = elastic["hit_rates"][role]["local"]
         want = fixed["hit_rates"][role]["local"]
