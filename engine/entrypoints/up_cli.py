@@ -266,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
         say(f"error: {exc}")
         return 1
     finally:
+        # a second signal (Ctrl-C twice, `make` passing SIGTERM on) must not cut the stop
+        # short: it is bounded anyway (SIGTERM, 15 s, SIGKILL)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         pool.stop()
         say("stopped")
     return 0
