@@ -37,3 +37,22 @@ def test_a_seeded_row_draws_the_same_token_whatever_its_neighbours():
     batch = torch.cat([torch.randn(3, 64), logits])
     mixed = sample(batch, rows(3) + rows(1, seed=7), all_greedy=False)
     assert mixed[3] == alone[0]
+
+
+def test_the_bucketed_search_picks_what_a_full_cumulative_sum_picks():
+    from epdserve.engine.sample.sampler import _full_search, _two_level_search
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(512, 1000, generator=gen) * 4
+    logits[:, 100:300] = float("-inf")  # whole buckets and bucket edges without mass
+    probs = logits.softmax(-1)
+    u = torch.rand(512, 1, dtype=torch.float64, generator=gen)
+    assert torch.equal(_two_level_search(probs, u), _full_search(probs, u))
+
+
+def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
+    torch.manual_seed(4)
+    logits = torch.randn(8, 50)
+    mixed = [SamplingRow(SamplingParams(temperature=0.0 if i % 2 else 1.0), None) for i in range(8)]
+    tokens = sample(logits.clone(), mixed, all_greedy=False)
+    assert torch.equal(tokens[1::2], logits[1::2].argmax(-1))
