@@ -48,15 +48,14 @@ def ensure_vllm(venv: Path, install: bool, log=sys.stderr) -> tuple[str | None, 
     found = vllm_version(venv)
     if found or not install:
         return found, "" if found else f"no vLLM in {venv} (and --no-install)"
+    base = getattr(sys, "_base_executable", sys.executable)  # the interpreter, not our venv
     pip = [str(venv_python(venv)), "-m", "pip", "install", "-q"]
     steps = [
-        [sys.executable, "-m", "venv", "--clear", str(venv)],
+        [base, "-m", "venv", "--clear", str(venv)],
         pip + [TORCH],
         pip + [VLLM_PACKAGE, TORCH],
         [str(venv_python(venv)), "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS],
     ]
-    base = getattr(sys, "_base_executable", sys.executable)
-    steps[0][0] = base  # a venv made from the interpreter itself, not from our venv
     for cmd in steps:
         print("vs_vllm: " + " ".join(cmd), file=log, flush=True)
         res = subprocess.run(cmd, capture_output=True, text=True)
