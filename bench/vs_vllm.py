@@ -190,6 +190,8 @@ def main() -> None:
         return
     vllm_python = str(env.venv_python(args.vllm_venv))
     started = time.time()
+    result["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
+    result["loadavg_1_5_15"] = {"before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         model = env.make_checkpoint(Path(tmp) / "tiny-llama-bf16", "tiny")
         result["model"] = "make-model llama tiny seed 0, bf16 safetensors"
@@ -201,6 +203,7 @@ def main() -> None:
             )
     result["ratios"] = headline(result)
     result["wall_s"] = round(time.time() - started, 1)
+    result["loadavg_1_5_15"]["after"] = os.getloadavg()
     print(json.dumps(result, indent=2))
 
 
