@@ -127,8 +127,8 @@ class PodRuntime:
             t.join()
         try:
             self.kubelet.api.delete("Pod", self.namespace, self.name, grace=0)
-        except ApiError as exc:
-            self.kubelet.errors.append(f"removing terminated pod {self.name}: {exc}")
+        except Exception as exc:  # the API may be gone already (the cluster is closing)
+            self.kubelet.errors.append(f"removing terminated pod {self.name}: {exc!r}")
 
     def stop(self) -> None:
         """Kill every container (graceful first) and remove the pod's namespace."""
