@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import threading
 from pathlib import Path
 
 import yaml
@@ -80,3 +81,25 @@ def ready_pod_ips(cluster, selector: str) -> list[str]:
             for c in (p.get("status") or {}).get("conditions") or []
         )
     )
+
+
+class Workers:
+    """Client threads running ``self._run(worker)`` from ``with`` entry until exit (the run
+    loop checks ``self._stop``)."""
+
+    def __init__(self, workers: int):
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(workers)]
+
+    def _run(self, worker: int) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(180)

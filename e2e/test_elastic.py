@@ -22,7 +22,15 @@ import httpx
 import openai
 import pytest
 from cluster import wait_for
-from pools_e2e import NS, example, for_this_machine, metric_total, ready_pod_ips, write
+from pools_e2e import (
+    NS,
+    Workers,
+    example,
+    for_this_machine,
+    metric_total,
+    ready_pod_ips,
+    write,
+)
 
 pytestmark = pytest.mark.e2e
 ELASTIC, FIXED = "elastic", "elastic-fixed"
@@ -61,7 +69,7 @@ def pool_body(name: str, autoscaled: bool) -> dict:
     return body
 
 
-class Ramp:
+class Ramp(Workers):
     """Client workers sending tenant-prefixed completions through the router Service; the
     number of active workers is set per phase; worker 0 streams long answers, so pods that
     scale away have streams to finish. Records every outcome."""
@@ -69,22 +77,10 @@ class Ramp:
     def __init__(self, client, served: str):
         self.client, self.served = client, served
         self.active = 0
-        self.sent = 0
         self.failures: list[str] = []
         self.done = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(w,)) for w in range(HEAVY)]
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(180)
+        super().__init__(HEAVY)
 
     def requests_done(self) -> int:
         with self._lock:
@@ -155,11 +151,11 @@ class Watch:
     def _loop(self) -> None:
         while not self._stop.wait(1.0):
             try:
-                self._sample()
+                self.sample()
             except Exception:  # an API hiccup: the next second samples again
                 continue
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
         dep = self.cluster.api.get("Deployment", NS, f"{self.name}-decode") or {}
         pods = self.cluster.pods(NS, self._selector("decode"))
         self.decode_pods.update(p["metadata"]["name"] for p in pods)
@@ -254,6 +250,18 @@ def wait_done(ramp: Ramp, count: int, timeout: float) -> None:
     wait_for(lambda: ramp.requests_done() >= target, timeout, f"{count} more requests")
 
 
+def summary(cluster, name: str, ramp: Ramp, watch: Watch) -> dict:
+    """What both runs report: requests, failures, hit rates, the routers' view."""
+    watch.sample()
+    return {
+        "requests": ramp.requests_done(),
+        "failed": len(ramp.failures),
+        "failures": ramp.failures[:5],
+        "hit_rates": watch.hit_rates(),
+        "router": router_view(cluster, name),
+    }
+
+
 def run_fixed(cluster, tmp) -> dict:
     body = pool_body(FIXED, autoscaled=False)
     served = body["spec"]["model"]["name"]
@@ -267,14 +275,7 @@ def run_fixed(cluster, tmp) -> dict:
             ramp.active = LIGHT
             wait_done(ramp, PER_PHASE, 300)
             ramp.active = 0
-        watch._sample()
-        return {
-            "requests": ramp.requests_done(),
-            "failed": len(ramp.failures),
-            "failures": ramp.failures[:5],
-            "hit_rates": watch.hit_rates(),
-            "router": router_view(cluster, FIXED),
-        }
+        return summary(cluster, FIXED, ramp, watch)
     finally:
         stop(cluster, FIXED)
 
@@ -304,17 +305,12 @@ def run_elastic(cluster, tmp) -> dict:
             )
             wait_done(ramp, PER_PHASE, 300)
             ramp.active = 0
-        watch._sample()
         pool = json.loads(cluster.kubectl("get", "ipool", ELASTIC, "-o", "json"))
         return {
-            "requests": ramp.requests_done(),
-            "failed": len(ramp.failures),
-            "failures": ramp.failures[:5],
+            **summary(cluster, ELASTIC, ramp, watch),
             "timeline": watch.timeline,
             "peak_at_s": peak_at,
             "status": (pool.get("status") or {}).get("autoscaling"),
-            "hit_rates": watch.hit_rates(),
-            "router": router_view(cluster, ELASTIC),
             "drains": drains(cluster, watch.decode_pods),
         }
     finally:

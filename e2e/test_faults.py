@@ -20,6 +20,7 @@ from cluster import leaked_processes, wait_for
 from pools_e2e import (
     MODEL_PATH,
     NS,
+    Workers,
     example,
     for_this_machine,
     metric_total,
@@ -64,24 +65,13 @@ def router_log(cluster) -> str:
     return "".join(cluster.log(NS, n) for n in pod_names(cluster, ROUTER))
 
 
-class Load:
+class Load(Workers):
     """Streaming chat requests from a few threads until stopped; records every outcome."""
 
     def __init__(self, client, served: str, workers: int = 3):
         self.client, self.served = client, served
         self.results: list[tuple[bool, str | None]] = []  # (had started streaming, error)
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(workers)]
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
+        super().__init__(workers)
 
     def _run(self, worker: int) -> None:
         n = 0
