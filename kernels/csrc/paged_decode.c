@@ -4,13 +4,17 @@
  * (-O3 -march=native -fopenmp -ffp-contract=off -fno-strict-aliasing), called via ctypes.
  *
  * Each sequence is one task: it walks its blocks straight from the paged cache (no gather,
- * no padding; the next block is prefetched), reading each block once for all heads (a
- * contiguous [BS, KVH, D] span in the engine's layout; converted to float32 at most 32 KiB
- * at a time so the rows stay in L1): logits of every query head against
- * its kv head (GQA), softmax, then the weighted sum of V (accumulators kept in registers
- * over a block), all in float32. Sequences are spread over `threads` OpenMP threads
- * (torch's runtime: the library needs libgomp.so.1, which torch has already loaded); with
- * fewer sequences than threads, each sequence's kv heads are split into parts.
+ * no padding), reading each block once for all heads: logits of every query head against
+ * its kv head (GQA), softmax, then the weighted sum of V, all in float32. Logits are
+ * computed 16 keys at a time (one accumulator vector per key, then a transposing tree of
+ * adds: no horizontal sum per key); P @ V keeps four heads' accumulators in registers.
+ * bfloat16 caches in the engine's layout (head size a multiple of 32) are read in place: a
+ * 64-byte load is 32 values, split into the even and the odd ones as float32 by a shift and
+ * a mask (bf16_split); other caches are converted to float32 rows at most 32 KiB at a time.
+ * Blocks larger than a 4 KiB page are prefetched one block ahead. Sequences are spread over
+ * `threads` OpenMP threads (torch's runtime: the library needs libgomp.so.1, which torch has
+ * already loaded); with fewer sequences than threads, each sequence's kv heads are split
+ * into parts.
  *
  * The softmax follows torch's CPU flash-attention kernel for one query row over the same
  * keys, so decode matches a model that runs SDPA on its unpadded cache (transformers'
@@ -67,6 +71,14 @@ static inline int64_t slot_offset(const int32_t *blocks, int64_t pos, int64_t bs
  * into buf[n][kvh][d] as float32 */
 static inline void load_rows(float *restrict buf, const void *base, int64_t off, int64_t n,
                              int64_t kvh, int64_t s_b, int64_t s_h, int64_t d, int bf16) {
+    if (bf16 && s_h == d && s_b == kvh * d) { /* the engine's layout: one contiguous span */
+        const uint16_t *src = (const uint16_t *)base + off;
+        uint32_t *bits = (uint32_t *)buf;
+        int64_t total = n * kvh * d;
+#pragma omp simd
+        for (int64_t i = 0; i < total; i++) bits[i] = (uint32_t)src[i] << 16;
+        return;
+    }
     for (int64_t o = 0; o < n; o++)
         for (int64_t h = 0; h < kvh; h++) {
             int64_t src_off = off + o * s_b + h * s_h;
@@ -80,16 +92,6 @@ static inline void load_rows(float *restrict buf, const void *base, int64_t off,
                 memcpy(dst, (const float *)base + src_off, (size_t)d * sizeof(float));
             }
         }
-}
-
-/* blocks are scattered, so the hardware cannot guess the next one: ask for its rows early */
-static inline void prefetch_rows(const void *base, int64_t off, int64_t n, int64_t kvh,
-                                 int64_t s_b, int64_t s_h, int64_t d, int bf16) {
-    int64_t elt = bf16 ? 2 : 4;
-    const char *p = (const char *)base + off * elt;
-    for (int64_t o = 0; o < n; o++)
-        for (int64_t h = 0; h < kvh; h++)
-            for (int64_t b = 0; b < d * elt; b += 64) __builtin_prefetch(p + (o * s_b + h * s_h) * elt + b);
 }
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -113,6 +115,161 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     float sum = acc[0] + acc[1];
     for (; i < d; i++) sum += a[i] * b[i];
     return sum;
+}
+
+/* out[l] = the sum of acc[bitrev4(l)]'s lanes: a transposing tree; each level adds the two
+ * halves of every row's lanes and packs two rows into one vector, so no horizontal sums */
+static inline void transpose_sum16(const v16f acc[16], float *restrict out) {
+    v16f l1[8], l2[4], l3[2];
+    for (int k = 0; k < 8; k++)
+        l1[k] = __builtin_shufflevector(acc[2 * k], acc[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
+                                        17, 18, 19, 20, 21, 22, 23) +
+                __builtin_shufflevector(acc[2 * k], acc[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                        24, 25, 26, 27, 28, 29, 30, 31);
+    for (int k = 0; k < 4; k++)
+        l2[k] = __builtin_shufflevector(l1[2 * k], l1[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8,
+                                        9, 10, 11, 24, 25, 26, 27) +
+                __builtin_shufflevector(l1[2 * k], l1[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12,
+                                        13, 14, 15, 28, 29, 30, 31);
+    for (int k = 0; k < 2; k++)
+        l3[k] = __builtin_shufflevector(l2[2 * k], l2[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8,
+                                        9, 24, 25, 12, 13, 28, 29) +
+                __builtin_shufflevector(l2[2 * k], l2[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10,
+                                        11, 26, 27, 14, 15, 30, 31);
+    v16f r = __builtin_shufflevector(l3[0], l3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
+                                     28, 14, 30) +
+             __builtin_shufflevector(l3[0], l3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13,
+                                     29, 15, 31);
+    memcpy(out, &r, sizeof r);
+}
+
+static const int rev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+/* out[l] = a . rows[l * stride] for 16 rows, d % 16 == 0: one accumulator vector per row,
+ * accumulator k taking row bitrev4(k), then transpose_sum16 (which puts it back in lane k) */
+static inline void dot16(const float *restrict a, const float *restrict rows, int64_t stride,
+                         int64_t d, float *restrict out) {
+    v16f acc[16];
+    for (int k = 0; k < 16; k++) {
+        const float *r = rows + rev4[k] * stride;
+        v16f s = {0};
+        for (int64_t i = 0; i < d; i += 16) {
+            v16f x, y;
+            memcpy(&x, a + i, sizeof x);
+            memcpy(&y, r + i, sizeof y);
+            s += x * y;
+        }
+        acc[k] = s;
+    }
+    transpose_sum16(acc, out);
+}
+
+/* bfloat16 read in place (the engine's layout, d % 32 == 0): 32 values are 16 32-bit words;
+ * `w << 16` holds the even ones and `w & 0xffff0000` the odd ones, each as float32 — no
+ * conversion buffer, no shuffles. Dot products do not care about the order; P @ V keeps its
+ * accumulators in this (even, odd) order per 32 elements and puts them back at the end. */
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline void bf16_split(const uint16_t *p, v16f *even, v16f *odd) {
+    v16u w;
+    memcpy(&w, p, 64);
+    *even = (v16f)(w << 16);
+    *odd = (v16f)(w & 0xFFFF0000u);
+}
+
+/* dot16 on bfloat16 rows; qp: the query in (even, odd) order per 32 */
+static inline void dot16_bf16(const float *restrict qp, const uint16_t *restrict rows,
+                              int64_t stride, int64_t d, float *restrict out) {
+    v16f acc[16];
+    for (int k = 0; k < 16; k++) {
+        const uint16_t *r = rows + rev4[k] * stride;
+        v16f s = {0};
+        for (int64_t i = 0; i < d; i += 32) {
+            v16f qe, qo, e, o;
+            memcpy(&qe, qp + i, 64);
+            memcpy(&qo, qp + i + 16, 64);
+            bf16_split(r + i, &e, &o);
+            s += qe * e;
+            s += qo * o;
+        }
+        acc[k] = s;
+    }
+    transpose_sum16(acc, out);
+}
+
+static inline float hsum16(v16f v) {
+    v16f t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += t;
+    t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += t;
+    t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += t;
+    return v[0] + v[1];
+}
+
+static inline float dot_bf16(const float *restrict qp, const uint16_t *restrict r, int64_t d) {
+    v16f s = {0};
+    for (int64_t i = 0; i < d; i += 32) {
+        v16f qe, qo, e, o;
+        memcpy(&qe, qp + i, 64);
+        memcpy(&qo, qp + i + 16, 64);
+        bf16_split(r + i, &e, &o);
+        s += qe * e;
+        s += qo * o;
+    }
+    return hsum16(s);
+}
+
+/* blocks are scattered, so the hardware cannot guess the next one: ask for its n rows early
+ * (kvh heads of d bfloat16 values each) */
+static inline void prefetch_rows_bf16(const uint16_t *p, int64_t n, int64_t kvh, int64_t s_b,
+                                      int64_t s_h, int64_t d) {
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t h = 0; h < kvh; h++)
+            for (int64_t b = 0; b < d; b += 32) __builtin_prefetch(p + o * s_b + h * s_h + b);
+}
+
+/* weighted_rows4 on bfloat16 rows, accumulators in (even, odd) order per 32 elements */
+static inline void weighted_rows4_bf16(float *restrict acc, const float *restrict p,
+                                       int64_t p_stride, const uint16_t *const rows[4],
+                                       int64_t n, int64_t stride, int64_t d) {
+    for (int64_t i = 0; i < d; i += 32) {
+        v16f a[4][2];
+        for (int t = 0; t < 4; t++) {
+            memcpy(&a[t][0], acc + t * d + i, 64);
+            memcpy(&a[t][1], acc + t * d + i + 16, 64);
+        }
+        for (int64_t o = 0; o < n; o++)
+            for (int t = 0; t < 4; t++) {
+                v16f e, od;
+                bf16_split(rows[t] + o * stride + i, &e, &od);
+                float w = p[t * p_stride + o];
+                a[t][0] += w * e;
+                a[t][1] += w * od;
+            }
+        for (int t = 0; t < 4; t++) {
+            memcpy(acc + t * d + i, &a[t][0], 64);
+            memcpy(acc + t * d + i + 16, &a[t][1], 64);
+        }
+    }
+}
+
+static inline void weighted_rows_bf16(float *restrict acc, const float *restrict p,
+                                      const uint16_t *restrict rows, int64_t n, int64_t stride,
+                                      int64_t d) {
+    for (int64_t i = 0; i < d; i += 32) {
+        v16f a0, a1;
+        memcpy(&a0, acc + i, 64);
+        memcpy(&a1, acc + i + 16, 64);
+        for (int64_t o = 0; o < n; o++) {
+            v16f e, od;
+            bf16_split(rows + o * stride + i, &e, &od);
+            a0 += p[o] * e;
+            a1 += p[o] * od;
+        }
+        memcpy(acc + i, &a0, 64);
+        memcpy(acc + i + 16, &a1, 64);
+    }
 }
 
 /* acc[i] += sum over rows o (`stride` floats apart) of p[o] * rows[o][i]. The accumulators stay in registers for
@@ -159,20 +316,92 @@ static inline void weighted_rows(float *restrict acc, const float *restrict p,
         for (int64_t o = 0; o < n; o++) acc[i] += p[o] * rows[o * stride + i];
 }
 
+/* weighted_rows for four heads at once, d % 32 == 0: head t adds p[t * p_stride + o] times
+ * row o of rows[t] into acc + t * d. Eight accumulator vectors in flight (a single head
+ * of 32 has two, each waiting on its previous add); per element the rows are still added
+ * in order. */
+static inline void weighted_rows4(float *restrict acc, const float *restrict p, int64_t p_stride,
+                                  const float *const rows[4], int64_t n, int64_t stride,
+                                  int64_t d) {
+    for (int64_t i = 0; i < d; i += 32) {
+        v16f a[4][2];
+        for (int t = 0; t < 4; t++) {
+            memcpy(&a[t][0], acc + t * d + i, 64);
+            memcpy(&a[t][1], acc + t * d + i + 16, 64);
+        }
+        for (int64_t o = 0; o < n; o++)
+            for (int t = 0; t < 4; t++) {
+                const float *r = rows[t] + o * stride + i;
+                v16f r0, r1;
+                memcpy(&r0, r, 64);
+                memcpy(&r1, r + 16, 64);
+                float w = p[t * p_stride + o];
+                a[t][0] += w * r0;
+                a[t][1] += w * r1;
+            }
+        for (int t = 0; t < 4; t++) {
+            memcpy(acc + t * d + i, &a[t][0], 64);
+            memcpy(acc + t * d + i + 16, &a[t][1], 64);
+        }
+    }
+}
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#ifdef __AVX512F__
+/* fexp on 16 lanes at once, the same operations lane by lane (floor by truncation, exact
+ * for the |x| < 2^31 met here: x*log2e >= ln_min*log2e > -127) */
+static inline v16f fexp16(v16f x) {
+    const float log2e = bits_to_f32(0x3fb8aa3bu);
+    const float ln_min = bits_to_f32(0xc2aeac50u);
+    const float c0 = 0.00010703434948458272f, c1 = 0.30354260500649682f;
+    const float c2 = -0.22433836478672356f, c3 = -0.079204240219773236f;
+    const float a = 8388608.0f, b = 8388608.0f * 127.0f;
+    v16i under = x < ln_min;
+    const v16f zero = {0}, lnv = zero + ln_min;
+    v16f xc = (v16f)(((v16i)lnv & under) | ((v16i)x & ~under));
+    v16f src = xc * log2e;
+    v16f t = __builtin_convertvector(__builtin_convertvector(src, v16i), v16f);
+    v16f fl = (v16f)((v16i)(t - 1.0f) & (src < t) | ((v16i)t & ~(src < t)));
+    v16f fr = src - fl;
+    /* fmaf(fr, c3, c2) etc.: fused, as the scalar version (and torch's kernel) */
+    v16f r = __builtin_ia32_vfmaddps512_mask(fr, zero + c3, zero + c2, -1, 4);
+    r = __builtin_ia32_vfmaddps512_mask(fr, r, zero + c1, -1, 4);
+    r = __builtin_ia32_vfmaddps512_mask(fr, r, zero + c0, -1, 4);
+    src = src - r;
+    v16f ai = __builtin_ia32_vfmaddps512_mask(zero + a, src, zero + b, -1, 4);
+    v16i i = __builtin_convertvector(ai, v16i);
+    return (v16f)(i & ~under);
+}
+#endif
+
 /* exp(row - mx) in place over n keys; returns their sum. lanes > 0: the flash kernel's way
  * (fexp on the first lanes*floor(n/lanes) keys summed in `lanes` partial sums folded in
  * halves, libm expf on the rest); lanes == 0: libm expf, summed in order. */
 static float exp_chunk(float *restrict row, int64_t n, float mx, int lanes) {
     float part[16] = {0};
     int64_t nvec = lanes > 0 ? lanes * (n / lanes) : 0;
-    for (int64_t b = 0; b < nvec; b += lanes) {
-#pragma omp simd
-        for (int l = 0; l < lanes; l++) {
-            float e = fexp(row[b + l] - mx);
-            part[l] += e;
-            row[b + l] = e;
+#ifdef __AVX512F__
+    if (lanes == 16) {
+        v16f acc = {0};
+        for (int64_t b = 0; b < nvec; b += 16) {
+            v16f x;
+            memcpy(&x, row + b, 64);
+            v16f e = fexp16(x - mx);
+            acc += e;
+            memcpy(row + b, &e, 64);
         }
-    }
+        memcpy(part, &acc, 64);
+    } else
+#endif
+        for (int64_t b = 0; b < nvec; b += lanes) {
+#pragma omp simd
+            for (int l = 0; l < lanes; l++) {
+                float e = fexp(row[b + l] - mx);
+                part[l] += e;
+                row[b + l] = e;
+            }
+        }
     for (int step = lanes / 2; step >= 1; step /= 2)
         for (int l = 0; l < step; l++) part[l] += part[l + step];
     float sum = part[0];
@@ -204,8 +433,20 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
     float *acc = logits + heads * CHUNK;  /* [H, D] */
     float *mx = acc + heads * d;          /* [H] */
     float *sum = mx + heads;              /* [H] */
-    float *rows = sum + heads;            /* [BS, KVH, D] */
+    float *qp = sum + heads;              /* [H, D]: q in (even, odd) order (direct) */
+    float *rows = qp + heads * d;         /* [BS, KVH, D] */
     int64_t lo = window > 0 && len > window ? len - window : 0;
+    /* bfloat16 read in place (bf16_split); else rows are converted into `rows` */
+    const int direct = bf16 && d % 32 == 0;
+    const uint16_t *kb16 = kbase, *vb16 = vbase;
+    /* blocks of one 4 KiB page or less: the hardware keeps up (asking costs more than it saves) */
+    const int prefetch = bs * kvh * d * 2 > 4096;
+    if (direct)
+        for (int64_t i = 0; i < heads * d; i += 32)
+            for (int64_t j = 0; j < 16; j++) {
+                qp[i + j] = q[i + 2 * j];
+                qp[i + 16 + j] = q[i + 2 * j + 1];
+            }
     for (int64_t hq = 0; hq < heads; hq++) {
         mx[hq] = -INFINITY;
         sum[hq] = 0.0f;
@@ -223,16 +464,54 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
                     for (int64_t o = 0; o < take; o++) logits[hq * CHUNK + j + o] = -INFINITY;
                 continue;
             }
-            if (j + take < cb && (pos + take) % bs == 0) /* the next block */
-                prefetch_rows(kbase, slot_offset(blocks, pos + take, bs, s_n, s_b), bs, kvh,
-                              s_b, s_h, d, bf16);
+            if (direct) {
+                const uint16_t *kp = kb16 + slot_offset(blocks, pos, bs, s_n, s_b);
+                if (prefetch && j + take < cb && (pos + take) % bs == 0) /* the next block */
+                    prefetch_rows_bf16(kb16 + slot_offset(blocks, pos + take, bs, s_n, s_b), bs,
+                                       kvh, s_b, s_h, d);
+                for (int64_t hq = 0; hq < heads; hq++) {
+                    const float *qh = qp + hq * d;
+                    const uint16_t *kr = kp + (hq / g_count) * s_h;
+                    float *lg = logits + hq * CHUNK + j;
+                    int64_t o = 0;
+                    if (d == 32) /* constant head sizes: the dot unrolled */
+                        for (; o + 16 <= take; o += 16)
+                            dot16_bf16(qh, kr + o * s_b, s_b, 32, lg + o);
+                    else if (d == 64)
+                        for (; o + 16 <= take; o += 16)
+                            dot16_bf16(qh, kr + o * s_b, s_b, 64, lg + o);
+                    else if (d == 128)
+                        for (; o + 16 <= take; o += 16)
+                            dot16_bf16(qh, kr + o * s_b, s_b, 128, lg + o);
+                    else
+                        for (; o + 16 <= take; o += 16)
+                            dot16_bf16(qh, kr + o * s_b, s_b, d, lg + o);
+                    for (; o < take; o++) lg[o] = dot_bf16(qh, kr + o * s_b, d);
+                    for (o = 0; o < take; o++) {
+                        float x = lg[o] * scale;
+                        if (soft_cap > 0.0f) x = tanhf(x / soft_cap) * soft_cap;
+                        lg[o] = pos + o < lo ? -INFINITY : x;
+                    }
+                }
+                continue;
+            }
             load_rows(rows, kbase, slot_offset(blocks, pos, bs, s_n, s_b), take, kvh, s_b,
                       s_h, d, bf16);
             for (int64_t hq = 0; hq < heads; hq++) {
                 const float *qh = q + hq * d, *kr = rows + (hq / g_count) * d;
                 float *lg = logits + hq * CHUNK + j;
-                for (int64_t o = 0; o < take; o++) {
-                    float x = dot(qh, kr + o * row, d) * scale;
+                int64_t o = 0;
+                if (d == 32) /* constant head sizes: the dot unrolled, no loop per row */
+                    for (; o + 16 <= take; o += 16) dot16(qh, kr + o * row, row, 32, lg + o);
+                else if (d == 64)
+                    for (; o + 16 <= take; o += 16) dot16(qh, kr + o * row, row, 64, lg + o);
+                else if (d == 128)
+                    for (; o + 16 <= take; o += 16) dot16(qh, kr + o * row, row, 128, lg + o);
+                else if (d % 16 == 0)
+                    for (; o + 16 <= take; o += 16) dot16(qh, kr + o * row, row, d, lg + o);
+                for (; o < take; o++) lg[o] = dot(qh, kr + o * row, d);
+                for (o = 0; o < take; o++) {
+                    float x = lg[o] * scale;
                     if (soft_cap > 0.0f) x = tanhf(x / soft_cap) * soft_cap;
                     lg[o] = pos + o < lo ? -INFINITY : x;
                 }
@@ -264,12 +543,35 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
             take = bs - slot < cb - j ? bs - slot : cb - j;
             if (take * row > PIECE) take = PIECE / row > 0 ? PIECE / row : 1; /* stay in L1 */
             if (pos + take <= lo) continue;
-            if (j + take < cb && (pos + take) % bs == 0) /* the next block */
-                prefetch_rows(vbase, slot_offset(blocks, pos + take, bs, s_n, s_b), bs, kvh,
-                              s_b, s_h, d, bf16);
+            int64_t hq = 0;
+            if (direct) {
+                const uint16_t *vp = vb16 + slot_offset(blocks, pos, bs, s_n, s_b);
+                if (prefetch && j + take < cb && (pos + take) % bs == 0)
+                    prefetch_rows_bf16(vb16 + slot_offset(blocks, pos + take, bs, s_n, s_b), bs,
+                                       kvh, s_b, s_h, d);
+                for (; hq + 4 <= heads; hq += 4) {
+                    const uint16_t *const r4[4] = {
+                        vp + (hq / g_count) * s_h, vp + ((hq + 1) / g_count) * s_h,
+                        vp + ((hq + 2) / g_count) * s_h, vp + ((hq + 3) / g_count) * s_h};
+                    weighted_rows4_bf16(acc + hq * d, logits + hq * CHUNK + j, CHUNK, r4, take,
+                                        s_b, d);
+                }
+                for (; hq < heads; hq++)
+                    weighted_rows_bf16(acc + hq * d, logits + hq * CHUNK + j,
+                                       vp + (hq / g_count) * s_h, take, s_b, d);
+                continue;
+            }
             load_rows(rows, vbase, slot_offset(blocks, pos, bs, s_n, s_b), take, kvh, s_b,
                       s_h, d, bf16);
-            for (int64_t hq = 0; hq < heads; hq++)
+            if (d % 32 == 0)
+                for (; hq + 4 <= heads; hq += 4) {
+                    const float *const r4[4] = {
+                        rows + (hq / g_count) * d, rows + ((hq + 1) / g_count) * d,
+                        rows + ((hq + 2) / g_count) * d, rows + ((hq + 3) / g_count) * d};
+                    weighted_rows4(acc + hq * d, logits + hq * CHUNK + j, CHUNK, r4, take, row,
+                                   d);
+                }
+            for (; hq < heads; hq++)
                 weighted_rows(acc + hq * d, logits + hq * CHUNK + j, rows + (hq / g_count) * d,
                               take, row, d);
         }
@@ -278,8 +580,15 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
         float inv = 1.0f / (sum[hq] == 0.0f ? 1.0f : sum[hq]);
         float *oh = out + hq * d;
         const float *ah = acc + hq * d;
+        if (direct) /* back from (even, odd) order */
+            for (int64_t i = 0; i < d; i += 32)
+                for (int64_t j = 0; j < 16; j++) {
+                    oh[i + 2 * j] = ah[i + j] * inv;
+                    oh[i + 2 * j + 1] = ah[i + 16 + j] * inv;
+                }
+        else
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) oh[i] = ah[i] * inv;
+            for (int64_t i = 0; i < d; i++) oh[i] = ah[i] * inv;
     }
 }
 
@@ -296,7 +605,8 @@ int epd_paged_decode(const float *q, float *out, int64_t num_seqs, int64_t num_h
                      float soft_cap, int lanes, int threads) {
     if (kv_heads <= 0 || num_heads % kv_heads != 0 || (lanes != 0 && lanes != 8 && lanes != 16))
         return -1;
-    int64_t work_floats = num_heads * (CHUNK + head_dim + 2) + block_size * kv_heads * head_dim;
+    int64_t work_floats =
+        num_heads * (CHUNK + 2 * head_dim + 2) + block_size * kv_heads * head_dim;
     /* fewer sequences than threads: split each one's kv heads into parts (same numerics) */
     int64_t parts = 1, g_count = num_heads / kv_heads, elt = bf16 ? 2 : 4;
     if (threads > 1 && num_seqs < threads) {

@@ -65,6 +65,17 @@ def test_long_contexts_span_several_chunks(dtype, block_size, window, cap):
                                atol=atol, rtol=0)  # fmt: skip
 
 
+@pytest.mark.parametrize("head_dim", [16, 40, 48, 96])
+def test_bf16_head_sizes_read_in_place_or_converted_agree_with_naive(head_dim):
+    """Multiples of 32 read bfloat16 in place (even/odd split); others convert rows first."""
+    lens = [1, 15, 16, 17, 300, 513, 700]
+    batch = make_batch([(1, n) for n in lens], 6, 2, head_dim, 16, dtype=torch.bfloat16)
+    for window, cap in [(None, None), (40, 3.0)]:
+        out = decode(batch, head_dim**-0.5, window, cap)
+        torch.testing.assert_close(out.double(), naive_attention(batch, head_dim**-0.5, window, cap),
+                                   atol=2e-2, rtol=0)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocks_larger_than_a_conversion_piece_are_walked_in_parts(dtype):
     """8 kv heads x 128 x 32 slots = 32k floats per block: converted 8 slots at a time."""
