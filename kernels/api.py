@@ -1,4 +1,5 @@
-"""Public kernel API: each op dispatches to Triton on CUDA tensors, to its torch twin otherwise.
+"""Public kernel API: each op dispatches to Triton on CUDA tensors, to its torch twin otherwise
+(rotary and RMSNorm: to the C kernels of ``native.py`` where they take the tensors).
 
 ``<op>_ref`` is the torch twin, ``<op>_triton`` the Triton launcher. Triton is imported
 lazily (inside the launchers), so this module imports without triton installed. Set
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from epdserve.kernels import native
 from epdserve.kernels.attention_ref import paged_attention_ref
 from epdserve.kernels.cache_ref import reshape_and_cache_ref
+from epdserve.kernels.checks import check_rms_norm, check_rotary
 from epdserve.kernels.norm_ref import rms_norm_ref
 from epdserve.kernels.rotary_ref import rotary_embedding_ref
 
@@ -69,9 +72,16 @@ def reshape_and_cache(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ):
-    """RMSNorm computed in fp32; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
-    impl = rms_norm_triton if x.is_cuda else rms_norm_ref
-    return impl(x, weight, eps, residual)
+    """RMSNorm computed in fp32; with ``residual`` returns ``(norm(x + residual), x + residual)``.
+
+    On CPUs the C kernel (``native.py``) runs it where it takes the tensors, bit for bit the
+    torch twin's result; else the twin."""
+    if x.is_cuda:
+        return rms_norm_triton(x, weight, eps, residual)
+    check_rms_norm(x, weight, eps, residual)
+    if native.rms_norm_supports(x, weight, residual):
+        return native.rms_norm(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
 
 
 def rotary_embedding(
@@ -81,9 +91,16 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
 ):
-    """Rotary embedding applied in place to ``q [T,H,D]`` and ``k [T,KVH,D]``; returns both."""
-    impl = rotary_embedding_triton if q.is_cuda else rotary_embedding_ref
-    return impl(positions, q, k, cos_sin_cache, is_neox)
+    """Rotary embedding applied in place to ``q [T,H,D]`` and ``k [T,KVH,D]``; returns both.
+
+    On CPUs the C kernel (``native.py``) runs it when it takes the tensors (bfloat16 or
+    float32, contiguous), with the torch twin's rounding; else the twin."""
+    if q.is_cuda:
+        return rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox)
+    check_rotary(positions, q, k, cos_sin_cache)
+    if native.rotary_supports(positions, q, k, cos_sin_cache):
+        return native.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+    return rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
 
 
 def paged_attention_triton(*args, **kwargs) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""CPU decode attention in C (``csrc/paged_decode.c``), built on first use and called via ctypes.
+"""CPU kernels in C, built on first use and called via ctypes: decode attention
+(``csrc/paged_decode.c``) and the small per-token ops (``csrc/cpu_ops.c``: rotary, RMSNorm).
 
 The library is compiled with the system C compiler (``$CC``, else ``cc``) for this machine
 (``-O3 -march=native``), with OpenMP when the compiler has it: the library then shares
@@ -32,7 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCES = (Path(__file__).with_name("csrc") / "paged_decode.c",
+           Path(__file__).with_name("csrc") / "cpu_ops.c")  # fmt: skip
 BASE_FLAGS = [
     "-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
     "-std=c11",
@@ -49,6 +51,10 @@ _ARGTYPES = [
     _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _I64, _I64, _I64,
     _PTR, _I64, _PTR, _PTR, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
 ]  # fmt: skip
+_ROTARY_ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, ctypes.c_int,
+                    ctypes.c_int]  # fmt: skip
+_RMS_NORM_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int,
+                      ctypes.c_int]  # fmt: skip
 # float32 lanes of torch's CPU kernels, which fix the flash kernel's exp/sum split
 _LANES = {"AVX512": 16, "AVX2": 8}
 
@@ -80,7 +86,7 @@ def _build_and_load() -> ctypes.CDLL | None:
         logger.warning("no C compiler found: CPU decode attention uses the torch twin")
         return None
     cache = _cache_dir()
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     errors = ""
     for flags in (BASE_FLAGS + ["-fopenmp"], BASE_FLAGS):
         key = hashlib.sha256(
@@ -90,7 +96,7 @@ def _build_and_load() -> ctypes.CDLL | None:
         if not target.exists():
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
-            cmd = [*shlex.split(compiler), *flags, "-o", tmp, str(SOURCE), "-lm"]
+            cmd = [*shlex.split(compiler), *flags, "-o", tmp, *map(str, SOURCES), "-lm"]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if res.returncode != 0:
                 os.unlink(tmp)
@@ -100,6 +106,10 @@ def _build_and_load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
         lib.epd_paged_decode.argtypes = _ARGTYPES
         lib.epd_paged_decode.restype = ctypes.c_int
+        lib.epd_rotary.argtypes = _ROTARY_ARGTYPES
+        lib.epd_rotary.restype = ctypes.c_int
+        lib.epd_rms_norm.argtypes = _RMS_NORM_ARGTYPES
+        lib.epd_rms_norm.restype = ctypes.c_int
         return lib
     logger.warning("%s could not build the CPU decode kernel; using torch: %s", compiler, errors)
     return None
@@ -189,3 +199,70 @@ def supports(query, key_cache, value_cache) -> bool:
         and key_cache.stride(3) == 1
         and available()
     )
+
+
+def rotary_supports(positions, q, k, cos_sin_cache) -> bool:
+    """Whether :func:`rotary_embedding` takes these tensors (else use the torch twin)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and k.dtype == q.dtype == cos_sin_cache.dtype
+        and positions.dtype == torch.int64
+        and q.is_contiguous()
+        and k.is_contiguous()
+        and cos_sin_cache.is_contiguous()
+        and positions.is_contiguous()
+        and available()
+    )
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, is_neox: bool):
+    """``rotary_ref.rotary_embedding_ref`` in one pass (same rounding), in place on ``q``
+    and ``k``; arguments already checked and :func:`rotary_supports`. Returns ``(q, k)``."""
+    num_tokens, heads, head_dim = q.shape
+    max_pos, rot_dim = cos_sin_cache.shape
+    rc = _load().epd_rotary(
+        positions.data_ptr(), q.data_ptr(), k.data_ptr(), num_tokens, heads, k.shape[1],
+        head_dim, cos_sin_cache.data_ptr(), max_pos, rot_dim, int(is_neox),
+        int(q.dtype == torch.bfloat16),
+    )  # fmt: skip
+    if rc != 0:
+        raise IndexError(f"positions: a position is outside 0..{max_pos - 1}")
+    return q, k
+
+
+_NORM_DTYPES = (torch.bfloat16, torch.float32)
+_X86_SUM = platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in (
+    "AVX512", "AVX2")  # fmt: skip
+
+
+def rms_norm_supports(x, weight, residual) -> bool:
+    """Whether :func:`rms_norm` takes these tensors (else use the torch twin)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _NORM_DTYPES
+        and weight.dtype in _NORM_DTYPES
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and (residual is None or residual.is_contiguous())
+        and _X86_SUM  # the mean is summed in the order of torch's x86 sum kernel
+        and available()
+    )
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """``norm_ref.rms_norm_ref`` in one pass per row (same rounding, the mean summed in the
+    order of torch's x86 sum kernel); arguments already checked and :func:`rms_norm_supports`.
+    Returns new tensors: ``out``, or ``(out, x + residual)``."""
+    n = x.shape[-1] if x.dim() else 1
+    tokens = x.numel() // max(n, 1)
+    out = torch.empty_like(x)
+    res_out = None if residual is None else torch.empty_like(x)
+    rc = _load().epd_rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), None if res_out is None else res_out.data_ptr(), tokens, n, float(eps),
+        int(x.dtype == torch.bfloat16), int(weight.dtype == torch.bfloat16),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("rms_norm: no scratch memory")
+    return out if residual is None else (out, res_out)
