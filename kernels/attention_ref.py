@@ -79,10 +79,11 @@ def paged_attention_ref(
         res = decode_attention(query.index_select(0, rows), [lens[i] for i in group], *args,
                                seqs=group)  # fmt: skip
         out.index_copy_(0, rows, res)
+    masks: dict = {}  # one mask per (q_len, ctx) for every sequence alike
     for i, n in enumerate(q_lens):
         if n > 1:
             a = starts[i]
-            out[a : a + n] = _prefill_one(query[a : a + n], i, lens[i], args)
+            out[a : a + n] = _prefill_one(query[a : a + n], i, lens[i], args, masks)
     return out
 
 
@@ -108,8 +109,10 @@ def _check_lengths(q_lens: list[int], lens: list[int], capacity: int) -> None:
             raise ValueError(f"seq_lens[{i}]={ctx} exceeds block_table capacity {capacity}")
 
 
-def _prefill_one(query, seq: int, ctx: int, args):
-    """The last ``q_len`` positions of one sequence attend causally to its ``ctx`` keys."""
+def _prefill_one(query, seq: int, ctx: int, args, masks: dict | None = None):
+    """The last ``q_len`` positions of one sequence attend causally to its ``ctx`` keys.
+
+    ``masks`` caches the attention mask by ``(q_len, ctx)`` across sequences of one call."""
     key_cache, value_cache, block_table, scale, window, soft_cap = args
     q_len, num_heads, head_dim = query.shape
     bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -123,20 +126,36 @@ def _prefill_one(query, seq: int, ctx: int, args):
             q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
         )
         return res[0].transpose(0, 1)
-    qpos = torch.arange(ctx - q_len, ctx, device=query.device)
-    kpos = torch.arange(ctx, device=query.device)
-    mask = kpos[None, :] <= qpos[:, None]
-    if window is not None:
-        mask &= kpos[None, :] > qpos[:, None] - window
+    masks = {} if masks is None else masks
+    mask = masks.get((q_len, ctx))
+    if mask is None:
+        mask = masks[(q_len, ctx)] = _offset_causal_mask(q_len, ctx, window, group, query,
+                                                         additive=soft_cap is None)  # fmt: skip
     # rows ordered (head-in-group, position): [1, KVH, G * q_len, D]
     q = query.transpose(0, 1).reshape(1, kv_heads, group * q_len, head_dim)
-    mask = mask.repeat(group, 1)[None, None]
     res = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale, soft_cap)
     return res.view(num_heads, q_len, head_dim).transpose(0, 1)
 
 
+def _offset_causal_mask(q_len: int, ctx: int, window, group: int, like, additive: bool):
+    """``[1, 1, group * q_len, ctx]``: query ``i`` (position ``ctx - q_len + i``) sees keys up to
+    its own position (and within ``window``), repeated for the heads of a kv group. Additive
+    (0 / -inf in ``like``'s dtype: what SDPA makes of a boolean mask) or boolean."""
+    qpos = torch.arange(ctx - q_len, ctx, device=like.device)
+    kpos = torch.arange(ctx, device=like.device)
+    mask = kpos[None, :] <= qpos[:, None]
+    if window is not None:
+        mask &= kpos[None, :] > qpos[:, None] - window
+    mask = mask.repeat(group, 1)[None, None]
+    if not additive:
+        return mask
+    zeros = torch.zeros(mask.shape, dtype=like.dtype, device=like.device)
+    return zeros.masked_fill_(~mask, float("-inf"))
+
+
 def _attend(q, k, v, mask, scale, soft_cap):
-    """``q [B,KVH,R,D]`` (R rows per kv head), ``k/v [B,KVH,L,D]``, bool ``mask [B,1,R|1,L]``."""
+    """``q [B,KVH,R,D]`` (R rows per kv head), ``k/v [B,KVH,L,D]``; ``mask [B,1,R|1,L]``:
+    additive without ``soft_cap``, boolean with it."""
     if soft_cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     logits = torch.matmul(q.float(), k.float().contiguous().transpose(-1, -2)) * scale
