@@ -22,6 +22,7 @@ from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.core.step_guard import StepGuard, maybe_fail
 from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
+from epdserve.engine.malloc import tune_heap
 from epdserve.engine.kv_transfer.setup import (
     create_kv_connectors,
     derived_hash_seed,
@@ -53,6 +54,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         torch.manual_seed(config.seed)
+        tune_heap()  # activations stay in the heap between steps (engine/malloc.py)
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         from epdserve.engine.models.config import load_model_config

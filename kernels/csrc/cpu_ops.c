@@ -184,20 +184,34 @@ int epd_rms_norm(const void *x, const void *residual, const void *weight, void *
                                     : (const void *)((const float *)residual + t * n);
             void *nr = x_bf16 ? (void *)((uint16_t *)res_out + t * n)
                               : (void *)((float *)res_out + t * n);
-            for (int64_t i = 0; i < n; i++)
-                store_x(nr, i, load_x(xr, i, x_bf16) + load_x(rr, i, x_bf16), x_bf16);
+            if (x_bf16) {
+                const uint16_t *a = xr, *b = rr;
+                uint16_t *c = nr;
+                for (int64_t i = 0; i < n; i++) c[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+            } else {
+                const float *a = xr, *b = rr;
+                float *c = nr;
+                for (int64_t i = 0; i < n; i++) c[i] = a[i] + b[i];
+            }
             xr = nr;
         }
-        for (int64_t i = 0; i < n; i++) {
-            float v = load_x(xr, i, x_bf16);
-            scratch[i] = v * v;
+        if (x_bf16) { /* one pass per dtype, so the loops vectorize */
+            const uint16_t *xb = xr;
+            for (int64_t i = 0; i < n; i++) {
+                float v = bf16_to_f32(xb[i]);
+                scratch[i] = v * v;
+            }
+        } else {
+            const float *xf = xr;
+            for (int64_t i = 0; i < n; i++) scratch[i] = xf[i] * xf[i];
         }
         float mean = torch_row_sum(scratch, n) / (float)n;
         float inv = 1.0f / sqrtf(mean + eps);
         if (x_bf16 && w_bf16) {
-            const uint16_t *w = weight;
+            const uint16_t *w = weight, *xb = xr;
+            uint16_t *ob = orow;
             for (int64_t i = 0; i < n; i++)
-                store_x(orow, i, round_bf16(load_x(xr, i, 1) * inv) * bf16_to_f32(w[i]), 1);
+                ob[i] = f32_to_bf16(round_bf16(bf16_to_f32(xb[i]) * inv) * bf16_to_f32(w[i]));
         } else { /* any other weight: in float32, the product rounded once */
             for (int64_t i = 0; i < n; i++) {
                 float y = load_x(xr, i, x_bf16) * inv;
