@@ -22,12 +22,12 @@ from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.core.step_guard import StepGuard, maybe_fail
 from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
-from epdserve.engine.malloc import tune_heap
 from epdserve.engine.kv_transfer.setup import (
     create_kv_connectors,
     derived_hash_seed,
     encoder_fingerprint,
 )
+from epdserve.engine.malloc import tune_heap
 from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes

@@ -84,7 +84,11 @@ needs_x86_sum = pytest.mark.skipif(
 @pytest.mark.parametrize("hidden", [16, 100, 128, 896, 2049, 4096, 16384])
 @pytest.mark.parametrize(
     ("dtype", "wdtype"),
-    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)],
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+    ],
 )
 def test_rms_norm_equals_the_torch_twin_bit_for_bit(hidden, dtype, wdtype):
     """Sizes below one vector, with a scalar tail, and long enough for the sum's cascade."""
