@@ -96,24 +96,33 @@ static inline void load_rows(float *restrict buf, const void *base, int64_t off,
 
 typedef float v16f __attribute__((vector_size(64)));
 
-/* sum of a[i] * b[i]: 16 partial sums folded as a tree (any order will do here) */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+/* the sum of v's 16 lanes, folded in halves */
+static inline float hsum16(v16f v) {
+    v16f t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += t;
+    t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += t;
+    t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += t;
+    return v[0] + v[1];
+}
+
+/* the 16 lane sums of a[i] * b[i] over the first 16 * floor(d / 16) elements */
+static inline v16f lanes_dot(const float *restrict a, const float *restrict b, int64_t d) {
     v16f acc = {0};
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16) {
+    for (int64_t i = 0; i + 16 <= d; i += 16) {
         v16f x, y;
         memcpy(&x, a + i, sizeof x);
         memcpy(&y, b + i, sizeof y);
         acc += x * y;
     }
-    v16f t = __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    acc += t;
-    t = __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    acc += t;
-    t = __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    acc += t;
-    float sum = acc[0] + acc[1];
-    for (; i < d; i++) sum += a[i] * b[i];
+    return acc;
+}
+
+/* sum of a[i] * b[i]: 16 partial sums folded as a tree, then the tail (any order will do) */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+    float sum = hsum16(lanes_dot(a, b, d));
+    for (int64_t i = 16 * (d / 16); i < d; i++) sum += a[i] * b[i];
     return sum;
 }
 
@@ -150,17 +159,7 @@ static const int rev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 1
 static inline void dot16(const float *restrict a, const float *restrict rows, int64_t stride,
                          int64_t d, float *restrict out) {
     v16f acc[16];
-    for (int k = 0; k < 16; k++) {
-        const float *r = rows + rev4[k] * stride;
-        v16f s = {0};
-        for (int64_t i = 0; i < d; i += 16) {
-            v16f x, y;
-            memcpy(&x, a + i, sizeof x);
-            memcpy(&y, r + i, sizeof y);
-            s += x * y;
-        }
-        acc[k] = s;
-    }
+    for (int k = 0; k < 16; k++) acc[k] = lanes_dot(a, rows + rev4[k] * stride, d);
     transpose_sum16(acc, out);
 }
 
@@ -177,37 +176,10 @@ static inline void bf16_split(const uint16_t *p, v16f *even, v16f *odd) {
     *odd = (v16f)(w & 0xFFFF0000u);
 }
 
-/* dot16 on bfloat16 rows; qp: the query in (even, odd) order per 32 */
-static inline void dot16_bf16(const float *restrict qp, const uint16_t *restrict rows,
-                              int64_t stride, int64_t d, float *restrict out) {
-    v16f acc[16];
-    for (int k = 0; k < 16; k++) {
-        const uint16_t *r = rows + rev4[k] * stride;
-        v16f s = {0};
-        for (int64_t i = 0; i < d; i += 32) {
-            v16f qe, qo, e, o;
-            memcpy(&qe, qp + i, 64);
-            memcpy(&qo, qp + i + 16, 64);
-            bf16_split(r + i, &e, &o);
-            s += qe * e;
-            s += qo * o;
-        }
-        acc[k] = s;
-    }
-    transpose_sum16(acc, out);
-}
-
-static inline float hsum16(v16f v) {
-    v16f t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += t;
-    t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += t;
-    t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += t;
-    return v[0] + v[1];
-}
-
-static inline float dot_bf16(const float *restrict qp, const uint16_t *restrict r, int64_t d) {
+/* the 16 lane sums of qp . r over d bfloat16 values (qp: the query in (even, odd) order per
+ * 32) */
+static inline v16f lanes_dot_bf16(const float *restrict qp, const uint16_t *restrict r,
+                                  int64_t d) {
     v16f s = {0};
     for (int64_t i = 0; i < d; i += 32) {
         v16f qe, qo, e, o;
@@ -217,7 +189,19 @@ static inline float dot_bf16(const float *restrict qp, const uint16_t *restrict 
         s += qe * e;
         s += qo * o;
     }
-    return hsum16(s);
+    return s;
+}
+
+/* dot16 on bfloat16 rows */
+static inline void dot16_bf16(const float *restrict qp, const uint16_t *restrict rows,
+                              int64_t stride, int64_t d, float *restrict out) {
+    v16f acc[16];
+    for (int k = 0; k < 16; k++) acc[k] = lanes_dot_bf16(qp, rows + rev4[k] * stride, d);
+    transpose_sum16(acc, out);
+}
+
+static inline float dot_bf16(const float *restrict qp, const uint16_t *restrict r, int64_t d) {
+    return hsum16(lanes_dot_bf16(qp, r, d));
 }
 
 /* blocks are scattered, so the hardware cannot guess the next one: ask for its n rows early
@@ -227,31 +211,6 @@ static inline void prefetch_rows_bf16(const uint16_t *p, int64_t n, int64_t kvh,
     for (int64_t o = 0; o < n; o++)
         for (int64_t h = 0; h < kvh; h++)
             for (int64_t b = 0; b < d; b += 32) __builtin_prefetch(p + o * s_b + h * s_h + b);
-}
-
-/* weighted_rows4 on bfloat16 rows, accumulators in (even, odd) order per 32 elements */
-static inline void weighted_rows4_bf16(float *restrict acc, const float *restrict p,
-                                       int64_t p_stride, const uint16_t *const rows[4],
-                                       int64_t n, int64_t stride, int64_t d) {
-    for (int64_t i = 0; i < d; i += 32) {
-        v16f a[4][2];
-        for (int t = 0; t < 4; t++) {
-            memcpy(&a[t][0], acc + t * d + i, 64);
-            memcpy(&a[t][1], acc + t * d + i + 16, 64);
-        }
-        for (int64_t o = 0; o < n; o++)
-            for (int t = 0; t < 4; t++) {
-                v16f e, od;
-                bf16_split(rows[t] + o * stride + i, &e, &od);
-                float w = p[t * p_stride + o];
-                a[t][0] += w * e;
-                a[t][1] += w * od;
-            }
-        for (int t = 0; t < 4; t++) {
-            memcpy(acc + t * d + i, &a[t][0], 64);
-            memcpy(acc + t * d + i + 16, &a[t][1], 64);
-        }
-    }
 }
 
 static inline void weighted_rows_bf16(float *restrict acc, const float *restrict p,
@@ -316,13 +275,26 @@ static inline void weighted_rows(float *restrict acc, const float *restrict p,
         for (int64_t o = 0; o < n; o++) acc[i] += p[o] * rows[o * stride + i];
 }
 
+/* 32 values of a row as two float32 vectors: in place, (even, odd) for bfloat16 (bf16_split),
+ * else the two halves */
+static inline void load32(const void *row, int bf16, v16f *lo, v16f *hi) {
+    if (bf16) {
+        bf16_split(row, lo, hi);
+    } else {
+        memcpy(lo, row, 64);
+        memcpy(hi, (const float *)row + 16, 64);
+    }
+}
+
 /* weighted_rows for four heads at once, d % 32 == 0: head t adds p[t * p_stride + o] times
- * row o of rows[t] into acc + t * d. Eight accumulator vectors in flight (a single head
- * of 32 has two, each waiting on its previous add); per element the rows are still added
- * in order. */
+ * row o of rows[t] (`stride` elements apart; float32 rows, or bfloat16 read in place with
+ * the accumulators in (even, odd) order per 32) into acc + t * d. Eight accumulator vectors
+ * in flight (a single head of 32 has two, each waiting on its previous add); per element the
+ * rows are still added in order. */
 static inline void weighted_rows4(float *restrict acc, const float *restrict p, int64_t p_stride,
-                                  const float *const rows[4], int64_t n, int64_t stride,
-                                  int64_t d) {
+                                  const void *const rows[4], int64_t n, int64_t stride,
+                                  int64_t d, int bf16) {
+    int64_t elt = bf16 ? 2 : 4;
     for (int64_t i = 0; i < d; i += 32) {
         v16f a[4][2];
         for (int t = 0; t < 4; t++) {
@@ -331,10 +303,8 @@ static inline void weighted_rows4(float *restrict acc, const float *restrict p, 
         }
         for (int64_t o = 0; o < n; o++)
             for (int t = 0; t < 4; t++) {
-                const float *r = rows[t] + o * stride + i;
                 v16f r0, r1;
-                memcpy(&r0, r, 64);
-                memcpy(&r1, r + 16, 64);
+                load32((const char *)rows[t] + (o * stride + i) * elt, bf16, &r0, &r1);
                 float w = p[t * p_stride + o];
                 a[t][0] += w * r0;
                 a[t][1] += w * r1;
@@ -362,7 +332,8 @@ static inline v16f fexp16(v16f x) {
     v16f xc = (v16f)(((v16i)lnv & under) | ((v16i)x & ~under));
     v16f src = xc * log2e;
     v16f t = __builtin_convertvector(__builtin_convertvector(src, v16i), v16f);
-    v16f fl = (v16f)((v16i)(t - 1.0f) & (src < t) | ((v16i)t & ~(src < t)));
+    v16i below = src < t; /* truncation rounded up: floor is one less */
+    v16f fl = (v16f)(((v16i)(t - 1.0f) & below) | ((v16i)t & ~below));
     v16f fr = src - fl;
     /* fmaf(fr, c3, c2) etc.: fused, as the scalar version (and torch's kernel) */
     v16f r = __builtin_ia32_vfmaddps512_mask(fr, zero + c3, zero + c2, -1, 4);
@@ -550,11 +521,11 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
                     prefetch_rows_bf16(vb16 + slot_offset(blocks, pos + take, bs, s_n, s_b), bs,
                                        kvh, s_b, s_h, d);
                 for (; hq + 4 <= heads; hq += 4) {
-                    const uint16_t *const r4[4] = {
+                    const void *const r4[4] = {
                         vp + (hq / g_count) * s_h, vp + ((hq + 1) / g_count) * s_h,
                         vp + ((hq + 2) / g_count) * s_h, vp + ((hq + 3) / g_count) * s_h};
-                    weighted_rows4_bf16(acc + hq * d, logits + hq * CHUNK + j, CHUNK, r4, take,
-                                        s_b, d);
+                    weighted_rows4(acc + hq * d, logits + hq * CHUNK + j, CHUNK, r4, take, s_b,
+                                   d, 1);
                 }
                 for (; hq < heads; hq++)
                     weighted_rows_bf16(acc + hq * d, logits + hq * CHUNK + j,
@@ -565,11 +536,11 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
                       s_h, d, bf16);
             if (d % 32 == 0)
                 for (; hq + 4 <= heads; hq += 4) {
-                    const float *const r4[4] = {
+                    const void *const r4[4] = {
                         rows + (hq / g_count) * d, rows + ((hq + 1) / g_count) * d,
                         rows + ((hq + 2) / g_count) * d, rows + ((hq + 3) / g_count) * d};
                     weighted_rows4(acc + hq * d, logits + hq * CHUNK + j, CHUNK, r4, take, row,
-                                   d);
+                                   d, 0);
                 }
             for (; hq < heads; hq++)
                 weighted_rows(acc + hq * d, logits + hq * CHUNK + j, rows + (hq / g_count) * d,
