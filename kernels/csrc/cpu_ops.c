@@ -1,4 +1,5 @@
-/* Small per-token ops for CPUs, with the numerics of their torch twins (the kernels/..._ref.py modules).
+/* Small per-token ops for CPUs, with the numerics of their torch twins (the *_ref.py
+ * modules of epdserve.kernels).
  *
  * Built together with paged_decode.c by epdserve/kernels/native.py, called via ctypes. At
  * decode batch sizes a torch op on a [64, 4, 32] tensor costs more in dispatch and strided
