@@ -109,7 +109,7 @@ def _check_lengths(q_lens: list[int], lens: list[int], capacity: int) -> None:
             raise ValueError(f"seq_lens[{i}]={ctx} exceeds block_table capacity {capacity}")
 
 
-def _prefill_one(query, seq: int, ctx: int, args, masks: dict | None = None):
+def _prefill_one(query, seq: int, ctx: int, args, masks: dict):
     """The last ``q_len`` positions of one sequence attend causally to its ``ctx`` keys.
 
     ``masks`` caches the attention mask by ``(q_len, ctx)`` across sequences of one call."""
@@ -126,7 +126,6 @@ def _prefill_one(query, seq: int, ctx: int, args, masks: dict | None = None):
             q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
         )
         return res[0].transpose(0, 1)
-    masks = {} if masks is None else masks
     mask = masks.get((q_len, ctx))
     if mask is None:
         mask = masks[(q_len, ctx)] = _offset_causal_mask(q_len, ctx, window, group, query,

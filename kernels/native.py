@@ -254,7 +254,7 @@ def rms_norm(x, weight, eps: float, residual=None):
     """``norm_ref.rms_norm_ref`` in one pass per row (same rounding, the mean summed in the
     order of torch's x86 sum kernel); arguments already checked and :func:`rms_norm_supports`.
     Returns new tensors: ``out``, or ``(out, x + residual)``."""
-    n = x.shape[-1] if x.dim() else 1
+    n = x.shape[-1]  # check_rms_norm: x has at least one dim
     tokens = x.numel() // max(n, 1)
     out = torch.empty_like(x)
     res_out = None if residual is None else torch.empty_like(x)

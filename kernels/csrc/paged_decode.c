@@ -391,6 +391,16 @@ static inline void round_bf16(float *restrict x, int64_t n) {
     for (int64_t j = 0; j < n; j++) bits[j] = (bits[j] + 0x7FFFu + ((bits[j] >> 16) & 1u)) & 0xFFFF0000u;
 }
 
+/* logits of `take` keys from position pos on: scaled, soft-capped, and -inf before lo */
+static inline void finish_logits(float *restrict lg, int64_t take, int64_t pos, int64_t lo,
+                                 float scale, float soft_cap) {
+    for (int64_t o = 0; o < take; o++) {
+        float x = lg[o] * scale;
+        if (soft_cap > 0.0f) x = tanhf(x / soft_cap) * soft_cap;
+        lg[o] = pos + o < lo ? -INFINITY : x;
+    }
+}
+
 /* One sequence, kvh kv heads from kbase/vbase on (all of them, or one part when there are
  * few sequences for the threads): each block of its cache is read once for these heads
  * (whole contiguous [BS, KVH, D] spans in the engine's layout when they are all). */
@@ -429,7 +439,8 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
         for (int64_t j = 0, take; j < cb; j += take) {
             int64_t pos = n0 + j, slot = pos % bs;
             take = bs - slot < cb - j ? bs - slot : cb - j;
-            if (take * row > PIECE) take = PIECE / row > 0 ? PIECE / row : 1; /* stay in L1 */
+            if (!direct && take * row > PIECE) /* converted rows stay in L1 */
+                take = PIECE / row > 0 ? PIECE / row : 1;
             if (pos + take <= lo) {
                 for (int64_t hq = 0; hq < heads; hq++)
                     for (int64_t o = 0; o < take; o++) logits[hq * CHUNK + j + o] = -INFINITY;
@@ -458,11 +469,7 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
                         for (; o + 16 <= take; o += 16)
                             dot16_bf16(qh, kr + o * s_b, s_b, d, lg + o);
                     for (; o < take; o++) lg[o] = dot_bf16(qh, kr + o * s_b, d);
-                    for (o = 0; o < take; o++) {
-                        float x = lg[o] * scale;
-                        if (soft_cap > 0.0f) x = tanhf(x / soft_cap) * soft_cap;
-                        lg[o] = pos + o < lo ? -INFINITY : x;
-                    }
+                    finish_logits(lg, take, pos, lo, scale, soft_cap);
                 }
                 continue;
             }
@@ -481,11 +488,7 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
                 else if (d % 16 == 0)
                     for (; o + 16 <= take; o += 16) dot16(qh, kr + o * row, row, d, lg + o);
                 for (; o < take; o++) lg[o] = dot(qh, kr + o * row, d);
-                for (o = 0; o < take; o++) {
-                    float x = lg[o] * scale;
-                    if (soft_cap > 0.0f) x = tanhf(x / soft_cap) * soft_cap;
-                    lg[o] = pos + o < lo ? -INFINITY : x;
-                }
+                finish_logits(lg, take, pos, lo, scale, soft_cap);
             }
         }
         for (int64_t hq = 0; hq < heads; hq++) {
@@ -512,7 +515,8 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
         for (int64_t j = 0, take; j < cb; j += take) {
             int64_t pos = n0 + j, slot = pos % bs;
             take = bs - slot < cb - j ? bs - slot : cb - j;
-            if (take * row > PIECE) take = PIECE / row > 0 ? PIECE / row : 1; /* stay in L1 */
+            if (!direct && take * row > PIECE) /* converted rows stay in L1 */
+                take = PIECE / row > 0 ? PIECE / row : 1;
             if (pos + take <= lo) continue;
             int64_t hq = 0;
             if (direct) {
