@@ -154,6 +154,12 @@ class EngineMetrics:
         )
         self.by_source = {s: by_source.labels(**self.labels, source=s) for s in PROMPT_SOURCES}
         self._add_multimodal(c)
+        self.store_rejections = c(
+            "epdserve:stored_values_rejected",
+            "Stored KV blocks / encoder outputs refused on load (damaged, cut, mislabelled, "
+            "of another model), deleted and recomputed, by kind and reason.",
+            ["kind", "reason"],
+        )
         self._last = SchedulerStats()
 
     def _add_multimodal(self, c) -> None:
@@ -192,7 +198,15 @@ class EngineMetrics:
         then = last.prompt_tokens_by_source or [0] * len(PROMPT_SOURCES)
         for source, a, b in zip(PROMPT_SOURCES, now, then, strict=True):
             self.by_source[source].inc(max(0, a - b))
+        self._count_rejections(stats.store_rejections, last.store_rejections)
         self._last = stats
+
+    def _count_rejections(self, now: dict, then: dict) -> None:
+        for kind, reasons in now.items():
+            for reason, n in reasons.items():
+                grew = n - then.get(kind, {}).get(reason, 0)
+                if grew > 0:
+                    self.store_rejections.labels(**self.labels, kind=kind, reason=reason).inc(grew)
 
     def on_request_error(self, cause: str) -> None:
         self.request_errors.labels(**self.labels, cause=cause).inc()

@@ -1,6 +1,7 @@
 """One connector object per pod: ``has_cache_item`` (scheduler side), ``save_caches`` and
-``start_load_caches`` (worker side) over a ``BlockStore``. A store fault is a miss: the
-pod encodes the image itself, and the fault is counted."""
+``start_load_caches`` (worker side) over a ``BlockStore``. A store fault, or a stored output
+that fails verification (then deleted), is a miss: the pod encodes the image itself, and the
+miss is counted."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from epdserve.connectors.ec_connector.config import ECTransferConfig
 from epdserve.connectors.storage import create_store
-from epdserve.connectors.storage.transfer import EncoderOutputIO
+from epdserve.connectors.storage.transfer import EncoderOutputIO, rejection_counts
 
 
 class ECConnector:
@@ -50,6 +51,10 @@ class ECConnector:
         """Store freshly computed outputs (producers only)."""
         if self.config.is_producer and outputs:
             self.saved += sum(self.io.save(list(outputs)))
+
+    def rejections(self) -> dict[str, int]:
+        """Stored outputs this pod refused (and deleted) since it started, by reason."""
+        return rejection_counts(self.io, self.store)
 
     def close(self) -> None:
         self.store.close()

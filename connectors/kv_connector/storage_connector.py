@@ -33,6 +33,7 @@ from epdserve.connectors.storage import (
     kv_key,
     store_config,
 )
+from epdserve.connectors.storage.transfer import rejection_counts
 
 logger = logging.getLogger(__name__)
 
@@ -290,11 +291,9 @@ class StorageConnector(KVConnectorBase):
             self._loads[t.req_id] = (self._loader.submit(self._load, t), t.block_ids)
 
     def _load(self, t: BlockTransfer) -> list[bool]:
+        # kv_io deletes the values it refuses (damaged, mislabelled, of another model)
         loaded = self.kv_io.load(self._kv_cache, t.block_ids, t.block_hashes)
-        bad = [self.kv_io.key(h) for h, ok in zip(t.block_hashes, loaded, strict=True) if not ok]
-        if bad:  # drop unusable values so the next producer's save replaces them
-            self.store.delete_many(bad)
-            self._missed.extend(h for h, ok in zip(t.block_hashes, loaded, strict=True) if not ok)
+        self._missed.extend(h for h, ok in zip(t.block_hashes, loaded, strict=True) if not ok)
         return loaded
 
     def wait_for_save(self) -> None:
@@ -328,6 +327,10 @@ class StorageConnector(KVConnectorBase):
             first_bad = next((i for i, ok in enumerate(loaded) if not ok), len(block_ids))
             self._invalid.update(block_ids[first_bad:])
         return sending, recving
+
+    def rejections(self) -> dict[str, int]:
+        """Stored blocks this side refused (and deleted) since it started, by reason."""
+        return rejection_counts(self.kv_io, self.store)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 
 
@@ -25,6 +25,23 @@ class Counters:
             return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+class ReasonCounts:
+    """Thread-safe counts by reason (e.g. stored values refused, by why)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def add(self, reasons: Iterable[str]) -> None:
+        with self._lock:
+            for reason in reasons:
+                self._counts[reason] = self._counts.get(reason, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 @dataclass
 class StoreStats(Counters):
     """Counters of one store (the engine exports them as Prometheus counters)."""
@@ -34,7 +51,7 @@ class StoreStats(Counters):
     gets: int = 0  # keys looked up by get_many
     hits: int = 0  # keys that returned a value
     get_failures: int = 0  # keys not read because of a backend fault, skipped ones included
-    rejected: int = 0  # values read back but refused (over the size limit, wrong type)
+    rejected: int = 0  # values read back but refused (over the size limit, wrong type): deleted
     skipped: int = 0  # keys not even tried because the backend was marked down
     reconnects: int = 0  # recoveries after the backend had been marked down
     evictions: int = 0  # values this store evicted itself (size cap)
@@ -58,8 +75,9 @@ class BlockStore(ABC):
 
     @abstractmethod
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """The value of each key, ``None`` for a miss or a fault. Mutates ``stats`` (and may
-        refresh the entries' recency for LRU eviction)."""
+        """The value of each key, ``None`` for a miss or a fault. A value the store refuses
+        (over its size limit, not a plain value) is a miss too, and is deleted so it is not
+        read again. Mutates ``stats`` (and may refresh the entries' recency for LRU eviction)."""
 
     @abstractmethod
     def exists_many(self, keys: Sequence[str]) -> list[bool]:

@@ -2,9 +2,12 @@
 
 Encoding writes the safetensors layout directly (8-byte little-endian header length, JSON
 header padded to 8 bytes, raw little-endian data) so the tensor is copied exactly once, into
-the value. Decoding parses and checks the header strictly and copies the data straight into
-the caller's destination (e.g. the cache's block slot). Anything unexpected -- truncated,
-oversized, wrong metadata, shape or dtype -- decodes to ``None`` (a miss), never an error.
+the value. The header's metadata names the value's own storage key and an xxh3-128 checksum
+of the data, so a value that was damaged, cut, or stored under another key is told apart
+from a good one. Decoding parses the header within bounds (``header.read_header``), checks
+everything against what the reader expects, verifies the checksum and only then copies the
+data into the caller's destination (e.g. the cache's block slot). A value that does not pass
+decodes to ``Decoded(None, reason)`` -- a miss with a reason to count -- never an error.
 """
 
 from __future__ import annotations
@@ -14,17 +17,51 @@ import logging
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
+import xxhash
+
+from epdserve.connectors.storage.header import (
+    HEADER_TOO_LARGE,
+    MAX_HEADER_BYTES,
+    NOT_SAFETENSORS,
+    TOO_DEEP,
+    BadValue,
+    read_header,
+)
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the metadata names the value's key and a checksum of its data
 KV_LAYOUT = "layer,kv,token,head,dim"  # one block of [blocks, layers, 2, block_size, heads, dim]
 KV_TENSOR = "kv"
 EC_TENSOR = "embedding"
-MAX_HEADER_BYTES = 64 * 1024
+# Not a cryptographic hash on purpose: whoever can write to the store can write any unkeyed
+# digest too, so this guards against damage and mix-ups, where xxh3 is ~6x faster than blake3.
+CHECKSUM_ALGO = "xxh3_128"
+
+# why a stored value was refused (the ``reason`` label of the rejection counter)
+FORMAT = "format"  # another format or format version
+KEY = "key"  # the header names another key: the value was stored or copied under ours
+METADATA = "metadata"  # another model, layout, block size or hash algorithm
+DTYPE_SHAPE = "dtype_shape"  # another dtype or shape than the reader's
+TRUNCATED = "truncated"  # shorter than its header says
+OVERSIZED = "oversized"  # longer than its header says
+CHECKSUM = "checksum"  # the data does not match its checksum (damaged bytes)
+REJECT_REASONS = (
+    NOT_SAFETENSORS,
+    HEADER_TOO_LARGE,
+    TOO_DEEP,
+    FORMAT,
+    KEY,
+    METADATA,
+    DTYPE_SHAPE,
+    TRUNCATED,
+    OVERSIZED,
+    CHECKSUM,
+)
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -48,14 +85,26 @@ with warnings.catch_warnings():
     torch.frombuffer(b"\0" * 8, dtype=torch.uint8)
 
 
+class Decoded(NamedTuple):
+    """A decoded tensor, or ``None`` and the reason the value was refused."""
+
+    tensor: torch.Tensor | None
+    reason: str = ""  # "" when decoded, else one of REJECT_REASONS
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the form stored in metadata)."""
     return str(dtype).removeprefix("torch.")
 
 
+def payload_checksum(data) -> str:
+    """``"xxh3_128:<32 hex digits>"`` of a buffer (the form stored in metadata)."""
+    return f"{CHECKSUM_ALGO}:{xxhash.xxh3_128_hexdigest(data)}"
+
+
 @dataclass(frozen=True)
 class KVBlockMeta:
-    """What a stored KV block must agree on with its reader (besides shape and dtype)."""
+    """What a stored KV block must agree on with its reader (besides key, shape and dtype)."""
 
     fingerprint: str
     block_size: int
@@ -76,7 +125,7 @@ class KVBlockMeta:
 
 @dataclass(frozen=True)
 class EncoderOutputMeta:
-    """What a stored encoder output must agree on with its reader (besides shape and dtype)."""
+    """What a stored encoder output must agree on with its reader (besides key, shape, dtype)."""
 
     fingerprint: str
     version: int = FORMAT_VERSION
@@ -85,48 +134,59 @@ class EncoderOutputMeta:
         return {"format": "epd-ec", "version": str(self.version), "fingerprint": self.fingerprint}
 
 
-def encode_kv_block(tensor: torch.Tensor, meta: KVBlockMeta) -> bytes:
-    """Safetensors bytes of one block's cross-layer span ``[layers, 2, block, heads, dim]``."""
-    return encode_tensor(KV_TENSOR, tensor, meta.to_metadata())
+def encode_kv_block(tensor: torch.Tensor, meta: KVBlockMeta, key: str) -> bytes:
+    """Safetensors bytes of one block's cross-layer span ``[layers, 2, block, heads, dim]``,
+    to be stored under ``key``."""
+    return encode_tensor(KV_TENSOR, tensor, {**meta.to_metadata(), "key": key})
 
 
 def decode_kv_block(
-    data: bytes | memoryview | None,
+    data: bytes | memoryview,
     expected_meta: KVBlockMeta,
     expected_shape: tuple[int, ...],
     dtype: torch.dtype,
+    key: str,
     out: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """The block as a tensor (``out`` itself when given), or ``None`` if it does not match."""
-    return decode_tensor(data, KV_TENSOR, expected_meta.to_metadata(), expected_shape, dtype, out)
+) -> Decoded:
+    """The block read from ``key`` (into ``out`` when given), or why it was refused."""
+    metadata = {**expected_meta.to_metadata(), "key": key}
+    return decode_tensor(data, KV_TENSOR, metadata, expected_shape, dtype, out)
 
 
-def encode_encoder_output(tensor: torch.Tensor, meta: EncoderOutputMeta) -> bytes:
-    """Safetensors bytes of one multimodal item's embedding tensor."""
-    return encode_tensor(EC_TENSOR, tensor, meta.to_metadata())
+def encode_encoder_output(tensor: torch.Tensor, meta: EncoderOutputMeta, key: str) -> bytes:
+    """Safetensors bytes of one multimodal item's embedding tensor, to be stored under ``key``."""
+    return encode_tensor(EC_TENSOR, tensor, {**meta.to_metadata(), "key": key})
 
 
 def decode_encoder_output(
-    data: bytes | memoryview | None,
+    data: bytes | memoryview,
     expected_meta: EncoderOutputMeta,
     expected_shape: tuple[int, ...],
     dtype: torch.dtype,
+    key: str,
     out: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """The embedding (``out`` itself when given), or ``None`` if it does not match."""
-    return decode_tensor(data, EC_TENSOR, expected_meta.to_metadata(), expected_shape, dtype, out)
+) -> Decoded:
+    """The embedding read from ``key`` (into ``out`` when given), or why it was refused."""
+    metadata = {**expected_meta.to_metadata(), "key": key}
+    return decode_tensor(data, EC_TENSOR, metadata, expected_shape, dtype, out)
 
 
 def encode_tensor(name: str, tensor: torch.Tensor, metadata: dict[str, str]) -> bytes:
-    """Safetensors bytes holding ``tensor`` under ``name``; metadata gains its ``dtype``."""
+    """Safetensors bytes holding ``tensor`` under ``name``; metadata gains its ``dtype`` and
+    the ``checksum`` of its data."""
     if tensor.dtype not in DTYPE_CODES:
         raise ValueError(f"tensor dtype {tensor.dtype} cannot be stored")
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     tensor = tensor.contiguous()
+    data = memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.nbytes else b""
     header = {
-        "__metadata__": {**metadata, "dtype": dtype_name(tensor.dtype)},
+        "__metadata__": {
+            **metadata,
+            "dtype": dtype_name(tensor.dtype),
+            "checksum": payload_checksum(data),
+        },
         name: {
             "dtype": DTYPE_CODES[tensor.dtype],
             "shape": list(tensor.shape),
@@ -135,35 +195,36 @@ def encode_tensor(name: str, tensor: torch.Tensor, metadata: dict[str, str]) -> 
     }
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-    data = memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.nbytes else b""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
     return b"".join((struct.pack("<Q", len(raw)), raw, data))
 
 
 def decode_tensor(
-    data: bytes | memoryview | None,
+    data: bytes | memoryview,
     name: str,
     metadata: dict[str, str],
     shape: tuple[int, ...],
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Check ``data`` against everything expected and copy its tensor out, else ``None``."""
+) -> Decoded:
+    """Check ``data`` against everything expected (``metadata`` includes the key) and its
+    checksum, then copy its tensor out; else ``Decoded(None, reason)``, ``out`` untouched."""
     shape = tuple(int(s) for s in shape)
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype):
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, expected {shape} {dtype}")
-    if data is None:
-        return None
     numel = 1
     for s in shape:
         numel *= s
     nbytes = numel * dtype.itemsize
-    offset = _check_header(data, name, {**metadata, "dtype": dtype_name(dtype)}, shape, dtype)
-    if offset is None or len(data) != offset + nbytes:
-        return None
+    try:
+        offset = _check(data, name, metadata, shape, dtype, nbytes)
+    except BadValue as exc:
+        return Decoded(None, exc.reason)
     if out is None:
         out = torch.empty(shape, dtype=dtype)
     if not nbytes:
-        return out
+        return Decoded(out)
     if out.device.type == "cpu" and out.is_contiguous():
         # A plain memcpy: torch's copy_ splits >64K-element copies over OpenMP threads, which
         # is slower than one core when the engine's own threads are busy.
@@ -171,34 +232,28 @@ def decode_tensor(
         np.copyto(dst, np.frombuffer(data, dtype=np.uint8, count=nbytes, offset=offset))
     else:
         out.copy_(torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).view(shape))
-    return out
+    return Decoded(out)
 
 
-def _check_header(data, name, metadata, shape, dtype) -> int | None:
-    """Offset of the tensor data when the header is sane and matches, else ``None``."""
-    if len(data) < 8:
-        return None
-    (size,) = struct.unpack_from("<Q", data)
-    if not 2 <= size <= MAX_HEADER_BYTES or 8 + size > len(data):
-        return None
-    try:
-        header = json.loads(bytes(data[8 : 8 + size]))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    if not isinstance(header, dict) or set(header) != {"__metadata__", name}:
-        return None
-    stored_meta, entry = header["__metadata__"], header[name]
-    if not isinstance(stored_meta, dict) or not isinstance(entry, dict):
-        return None
-    if any(stored_meta.get(k) != v for k, v in metadata.items()):
-        return None
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
+def _check(data, name, metadata, shape, dtype, nbytes) -> int:
+    """Offset of the tensor data when the value is whole and is the one expected; cheap
+    checks first, the checksum (a pass over the data) last."""
+    stored, entry, offset = read_header(data, name)
+    if stored.get("format") != metadata["format"] or stored.get("version") != metadata["version"]:
+        raise BadValue(FORMAT)
+    if stored.get("key") != metadata["key"]:
+        raise BadValue(KEY)
+    if any(stored.get(k) != v for k, v in metadata.items()):
+        raise BadValue(METADATA)
     if (
-        entry.get("dtype") != DTYPE_CODES.get(dtype)
-        or entry.get("shape") != list(shape)
-        or entry.get("data_offsets") != [0, nbytes]
+        stored.get("dtype") != dtype_name(dtype)
+        or entry["dtype"] != DTYPE_CODES.get(dtype)
+        or entry["shape"] != list(shape)
+        or entry["data_offsets"] != [0, nbytes]
     ):
-        return None
-    return 8 + size
+        raise BadValue(DTYPE_SHAPE)
+    if len(data) != offset + nbytes:
+        raise BadValue(TRUNCATED if len(data) < offset + nbytes else OVERSIZED)
+    if stored.get("checksum") != payload_checksum(memoryview(data)[offset:]):
+        raise BadValue(CHECKSUM)
+    return offset

@@ -143,6 +143,7 @@ class SharedStorageBlockStore(BlockStore):
                 st = os.fstat(f.fileno())
                 if st.st_size > self.config.max_value_bytes:
                     self.stats.add(rejected=1)
+                    self._discard(path)  # it would be read, and refused, again by every pod
                     return None
                 value = f.read()
         except FileNotFoundError:

@@ -122,7 +122,7 @@ class RedisBlockStore(BlockStore):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         values: list[bytes | None] = [None] * len(keys)
-        failed = 0
+        failed, refused = 0, []
         for start, stop in self._chunks([0] * len(keys)):
             results = self._pipeline(
                 lambda p, b=keys[start:stop]: [p.get(k) for k in b], stop - start
@@ -131,8 +131,14 @@ class RedisBlockStore(BlockStore):
                 failed += stop - start
             for i, value in enumerate(results or (), start):
                 values[i] = self._valid(value)
+                if values[i] is None and _unusable(value, self.config.max_value_bytes):
+                    refused.append(keys[i])
+                elif isinstance(value, Exception):  # LOADING, NOAUTH...: a fault, not the value
+                    failed += 1
         hits = sum(v is not None for v in values)
-        self.stats.add(gets=len(keys), hits=hits, get_failures=failed)
+        self.stats.add(gets=len(keys), hits=hits, get_failures=failed, rejected=len(refused))
+        if refused:  # it would be read, and refused, again by every pod
+            self.delete_many(refused)
         return values
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
@@ -205,11 +211,16 @@ class RedisBlockStore(BlockStore):
             logger.warning("redis %s refused a command: %s", redact_url(self.config.url), exc)
 
     def _valid(self, value) -> bytes | None:
-        if value is None:
-            return None
         if isinstance(value, Exception):  # e.g. WRONGTYPE: the key holds something else
             self._command_error(value)
         if not isinstance(value, bytes) or len(value) > self.config.max_value_bytes:
-            self.stats.add(rejected=1)
             return None
         return value
+
+
+def _unusable(value, max_bytes: int) -> bool:
+    """A reply no read of this key will ever accept: too long, or not a string (WRONGTYPE);
+    other per-command errors (LOADING, NOAUTH...) say nothing about the value."""
+    if isinstance(value, bytes):
+        return len(value) > max_bytes
+    return isinstance(value, redis.ResponseError) and str(value).startswith("WRONGTYPE")

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from epdserve.connectors.storage.base import BlockStore, Counters
+from epdserve.connectors.storage.base import BlockStore, Counters, ReasonCounts
 from epdserve.connectors.storage.codec import (
+    Decoded,
     EncoderOutputMeta,
     KVBlockMeta,
     decode_encoder_output,
@@ -35,7 +36,21 @@ class TransferStats(Counters):
     lookups: int = 0  # tensors asked for by load
     loaded: int = 0  # tensors copied into place
     misses: int = 0  # tensors absent (never stored, evicted, expired, backend fault)
-    rejected: int = 0  # tensors present but refused: other metadata/shape/dtype, corrupt bytes
+    rejected: int = 0  # tensors present but refused (by reason in ``rejections``): deleted
+
+
+DECODE_ERROR = "decode_error"  # the codec raised on a value (a bug): refused all the same
+STORE_REFUSED = "store_refused"  # over the store's max_value_bytes, or not a plain value
+
+
+def rejection_counts(io, store: BlockStore) -> dict[str, int]:
+    """Values refused on load by ``io`` (a ``KVBlockIO`` or ``EncoderOutputIO``), by reason,
+    with those its ``store`` refused itself; every one was deleted."""
+    counts = io.rejections.snapshot()
+    refused = store.stats.rejected
+    if refused:
+        counts[STORE_REFUSED] = counts.get(STORE_REFUSED, 0) + refused
+    return counts
 
 
 class HostStaging:
@@ -98,6 +113,7 @@ class KVBlockIO:
     ):
         self.store, self.pool, self.meta, self.group = store, pool, meta, group
         self.stats = TransferStats()
+        self.rejections = ReasonCounts()  # values refused on load, by reason
         self.staging = staging  # None: staged exactly when the cache is not on the CPU
         self._out, self._in = HostStaging(), HostStaging()
 
@@ -122,10 +138,10 @@ class KVBlockIO:
         blocks = kv_cache
         if self._staged(kv_cache):
             blocks, block_ids = self._out.gather(kv_cache, block_ids), range(len(block_ids))
-        items = [
-            (self.key(h), encode_kv_block(blocks[b], self.meta))
-            for b, h in zip(block_ids, block_hashes, strict=True)
-        ]
+        items = []
+        for b, h in zip(block_ids, block_hashes, strict=True):
+            key = self.key(h)
+            items.append((key, encode_kv_block(blocks[b], self.meta, key)))
         return _counted_put(self.store, self.stats, items)
 
     def load(
@@ -134,25 +150,21 @@ class KVBlockIO:
         """Copy each stored block into ``kv_cache[block_ids[i]]``; per block, whether it was
         loaded. Mutates only the slots of loaded blocks (a miss leaves its slot untouched)."""
         _check_pairs(block_ids, block_hashes)
-        values = self.store.get_many([self.key(h) for h in block_hashes])
-        shape, loaded = tuple(kv_cache.shape[1:]), []
+        keys = [self.key(h) for h in block_hashes]
+        values = self.store.get_many(keys)
+        shape, reasons = tuple(kv_cache.shape[1:]), []
         staged = self._staged(kv_cache)
         host = self._in.rows(len(block_ids), kv_cache) if staged else None
-        for i, (block_id, value) in enumerate(zip(block_ids, values, strict=True)):
+        for i, (block_id, key, value) in enumerate(zip(block_ids, keys, values, strict=True)):
             out = host[i] if staged else kv_cache[block_id]
-            ok = value is not None and (
-                decode_kv_block(value, self.meta, shape, kv_cache.dtype, out=out) is not None
-            )
-            loaded.append(ok)
+            decoded = _decode(decode_kv_block, value, self.meta, shape, kv_cache.dtype, key, out)
+            reasons.append(decoded.reason if decoded is not None else "")
+        loaded = [v is not None and not r for v, r in zip(values, reasons, strict=True)]
         if staged:  # only the loaded blocks reach the cache
             rows = [i for i, ok in enumerate(loaded) if ok]
             index = torch.as_tensor(rows, dtype=torch.int64)
             self._in.scatter(kv_cache, [block_ids[i] for i in rows], host.index_select(0, index))
-        hits, present = _count_load(self.stats, values, loaded)
-        if present > hits:
-            logger.warning(
-                "%d stored KV block(s) did not match this model; recomputing", present - hits
-            )
+        _account_load(self.store, self.stats, self.rejections, "KV block", keys, values, reasons)
         return loaded
 
 
@@ -163,6 +175,7 @@ class EncoderOutputIO:
         self.store, self.pool = store, pool
         self.meta = EncoderOutputMeta(fingerprint)
         self.stats = TransferStats()
+        self.rejections = ReasonCounts()  # values refused on load, by reason
 
     def key(self, mm_id: str) -> str:
         return ec_key(self.pool, self.meta.fingerprint, mm_id)
@@ -173,7 +186,10 @@ class EncoderOutputIO:
 
     def save(self, outputs: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
         """Store each ``(mm_id, embedding)``; per item, whether it was stored."""
-        items = [(self.key(m), encode_encoder_output(t, self.meta)) for m, t in outputs]
+        items = []
+        for mm_id, tensor in outputs:
+            key = self.key(mm_id)
+            items.append((key, encode_encoder_output(tensor, self.meta, key)))
         return _counted_put(self.store, self.stats, items)
 
     def load(
@@ -185,12 +201,19 @@ class EncoderOutputIO:
     ) -> list[torch.Tensor | None]:
         """Each item's embedding (written into ``outs[i]`` when given), ``None`` on a miss."""
         outs = outs if outs is not None else [None] * len(mm_ids)
-        values = self.store.get_many([self.key(m) for m in mm_ids])
-        result = [
-            decode_encoder_output(v, self.meta, s, dtype, out=o) if v is not None else None
-            for v, s, o in zip(values, shapes, outs, strict=True)
-        ]
-        _count_load(self.stats, values, [r is not None for r in result])
+        for out, shape in zip(outs, shapes, strict=True):
+            if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != dtype):
+                raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, expected {shape} {dtype}")
+        keys = [self.key(m) for m in mm_ids]
+        values = self.store.get_many(keys)
+        result, reasons = [], []
+        for key, value, shape, out in zip(keys, values, shapes, outs, strict=True):
+            decoded = _decode(decode_encoder_output, value, self.meta, shape, dtype, key, out)
+            result.append(decoded.tensor if decoded is not None else None)
+            reasons.append(decoded.reason if decoded is not None else "")
+        _account_load(
+            self.store, self.stats, self.rejections, "encoder output", keys, values, reasons
+        )
         return result
 
 
@@ -205,9 +228,37 @@ def _counted_put(store: BlockStore, stats: TransferStats, items) -> list[bool]:
     return done
 
 
-def _count_load(stats: TransferStats, values, loaded: list[bool]) -> tuple[int, int]:
-    hits, present = sum(loaded), sum(v is not None for v in values)
+def _decode(decode, value, meta, shape, dtype, key: str, out) -> Decoded | None:
+    """``value`` decoded (``None`` when there was none). Never raises because of the value:
+    the destination was checked by the caller, so a codec error is a bug, counted as a
+    refusal like any other."""
+    if value is None:
+        return None
+    try:
+        return decode(value, meta, shape, dtype, key, out=out)
+    except Exception:
+        logger.exception("decoding the stored value of %s failed", key)
+        return Decoded(None, DECODE_ERROR)
+
+
+def _account_load(store, stats, rejections, what: str, keys, values, reasons) -> None:
+    """Count a load; delete the values it refused, so no reader fetches them again (the next
+    producer's save stores a good one)."""
+    bad = [(k, r) for k, r in zip(keys, reasons, strict=True) if r]
+    present = sum(v is not None for v in values)
     stats.add(
-        lookups=len(values), loaded=hits, misses=len(values) - present, rejected=present - hits
+        lookups=len(values),
+        loaded=present - len(bad),
+        misses=len(values) - present,
+        rejected=len(bad),
     )
-    return hits, present
+    if not bad:
+        return
+    rejections.add(r for _, r in bad)
+    store.delete_many([k for k, _ in bad])
+    logger.warning(
+        "refused %d stored %s(s) (%s); deleted them, computing instead",
+        len(bad),
+        what,
+        ", ".join(sorted({r for _, r in bad})),
+    )

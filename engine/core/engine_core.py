@@ -26,6 +26,7 @@ from epdserve.engine.kv_transfer.setup import (
     create_kv_connectors,
     derived_hash_seed,
     encoder_fingerprint,
+    store_rejections,
 )
 from epdserve.engine.malloc import tune_heap
 from epdserve.engine.models.loader import load_model, load_vision_encoder
@@ -279,4 +280,5 @@ class EngineCore:
             stats.external_queries = s.kv_transfer.queries
             stats.external_hits = s.kv_transfer.hits
             stats.kv_load_failures = s.kv_transfer.load_failures
+        stats.store_rejections = store_rejections(self.kv_connectors, self.ec_connector)
         return stats

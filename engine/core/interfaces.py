@@ -118,6 +118,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     encoder_loads: int = 0  # images loaded from the shared encoder-output store
     failed_steps: int = 0  # steps whose execution raised (contained by the step guard)
     kv_save_failures: int = 0  # KV blocks a connector could not store (full, down, read-only)
+    # stored values refused on load and deleted: {"kv_block"|"encoder_output": {reason: n}}
+    store_rejections: dict[str, dict[str, int]] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -16,7 +16,7 @@ from epdserve.connectors.kv_connector import (
     create_connector,
 )
 from epdserve.connectors.storage import fingerprint
-from epdserve.connectors.storage.codec import KV_LAYOUT
+from epdserve.connectors.storage.codec import FORMAT_VERSION, KV_LAYOUT
 
 log = logging.getLogger("epdserve.kv_transfer")
 
@@ -52,16 +52,26 @@ def derived_hash_seed(model_dir: str) -> str:
 def model_fingerprint(
     model_dir: str, dtype: str, block_shape: tuple[int, ...], block_size: int, hash_algo: str
 ) -> str:
-    """Identifies model + dtype + layout + block size + hash algorithm, so blocks of other
-    models (or of the same model in another geometry) are never shared."""
+    """Identifies model + dtype + layout + block size + hash algorithm + stored format, so
+    blocks of other models (or of the same model in another geometry) are never shared, and
+    pods of two format versions (a rolling upgrade) never read, refuse and delete each
+    other's values."""
     return fingerprint(
-        weights_digest(model_dir), dtype, KV_LAYOUT, tuple(block_shape), block_size, hash_algo
+        weights_digest(model_dir),
+        dtype,
+        KV_LAYOUT,
+        tuple(block_shape),
+        block_size,
+        hash_algo,
+        f"format-v{FORMAT_VERSION}",
     )
 
 
 def encoder_fingerprint(model_dir: str, dtype: str) -> str:
-    """Identifies the vision encoder's outputs: same weights, same dtype."""
-    return fingerprint(weights_digest(os.fspath(model_dir)), dtype, "encoder-output-v1")
+    """Identifies the vision encoder's outputs: same weights, same dtype, same format."""
+    return fingerprint(
+        weights_digest(os.fspath(model_dir)), dtype, f"encoder-output-v{FORMAT_VERSION}"
+    )
 
 
 def create_kv_connectors(
@@ -93,3 +103,15 @@ def create_kv_connectors(
         create_connector(transfer, KVConnectorRole.SCHEDULER, layout),
         create_connector(transfer, KVConnectorRole.WORKER, layout),
     )
+
+
+def store_rejections(kv_connectors, ec_connector) -> dict[str, dict[str, int]]:
+    """Stored values this pod refused on load (each one deleted), by kind and reason."""
+    counts: dict[str, dict[str, int]] = {}
+    sources = [("kv_block", c) for c in kv_connectors] + [("encoder_output", ec_connector)]
+    for kind, connector in sources:
+        rejections = getattr(connector, "rejections", None)  # only storage connectors refuse
+        for reason, n in (rejections() if rejections else {}).items():
+            bucket = counts.setdefault(kind, {})
+            bucket[reason] = bucket.get(reason, 0) + n
+    return counts

@@ -68,12 +68,13 @@ def test_outputs_of_another_model_pool_shape_or_dtype_are_misses(backend):
     assert backend("ec_consumer", fingerprint="other-model").has_cache_item([IMAGE]) == [False]
     assert backend("ec_consumer", pool="other-pool").has_cache_item([IMAGE]) == [False]
     consumer = backend("ec_consumer")
-    assert consumer.start_load_caches([IMAGE], [(5, 64)], torch.float32) == [None]
-    assert consumer.start_load_caches([IMAGE], [(4, 64)], torch.bfloat16) == [None]
-    assert consumer.load_failures == 2
     assert torch.equal(
         consumer.start_load_caches([IMAGE], [(4, 64)], torch.float32)[0], torch.ones(4, 64)
     )
+    # a key names one model's output of one image, so another shape under it is damage
+    assert consumer.start_load_caches([IMAGE], [(5, 64)], torch.float32) == [None]
+    assert consumer.load_failures == 1 and consumer.rejections() == {"dtype_shape": 1}
+    assert consumer.has_cache_item([IMAGE]) == [False]  # deleted
 
 
 def test_garbage_in_the_store_is_a_miss_not_an_error(backend):
@@ -81,7 +82,54 @@ def test_garbage_in_the_store_is_a_miss_not_an_error(backend):
     consumer.store.put_many([(consumer.io.key(IMAGE), b"\x00garbage")])
     assert consumer.has_cache_item([IMAGE]) == [True]  # present, but...
     assert consumer.start_load_caches([IMAGE], [(4, 64)], torch.float32) == [None]
-    assert consumer.load_failures == 1
+    assert consumer.load_failures == 1 and consumer.rejections() == {"header_too_large": 1}
+    assert consumer.has_cache_item([IMAGE]) == [False]  # deleted: the next pod encodes it
+
+
+def flip_last_bit(connector, key: str) -> None:
+    """Damage one bit of a stored value in place, behind the store's back."""
+    if "url" in connector.config.extra:
+        import redis
+
+        client = redis.Redis.from_url(connector.config.extra["url"])
+        last = client.strlen(key) - 1
+        client.setrange(key, last, bytes([client.getrange(key, last, last)[0] ^ 1]))
+        client.close()
+        return
+    with open(connector.store.path_of(key), "r+b") as f:
+        f.seek(-1, 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([byte ^ 1]))
+
+
+def deep_header(depth: int = 8_000) -> bytes:
+    raw = b"[" * depth + b"]" * depth
+    return len(raw).to_bytes(8, "little") + raw + bytes(1024)
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "deep header", "swapped keys"])
+def test_a_damaged_output_is_a_counted_miss_deleted_and_never_an_error(backend, damage):
+    producer, consumer = backend("ec_producer"), backend("ec_consumer")
+    image, crop = torch.randn(4, 64), torch.randn(4, 64)
+    producer.save_caches([(IMAGE, image), (CROP, crop)])
+    keys = [consumer.io.key(IMAGE), consumer.io.key(CROP)]
+    if damage == "bit flip":
+        flip_last_bit(consumer, keys[0])
+        expected = {"checksum": 1}
+    elif damage == "deep header":
+        consumer.store.put_many([(keys[0], deep_header())])
+        expected = {"too_deep": 1}
+    else:  # each value stored under the other's key: same shape, but not that image's output
+        values = consumer.store.get_many(keys)
+        consumer.store.put_many([(keys[0], values[1]), (keys[1], values[0])])
+        expected = {"key": 2}
+    for _ in range(2):  # a retry is a plain miss (the bad value is gone), still no error
+        got = consumer.start_load_caches([IMAGE, CROP], [(4, 64)] * 2, torch.float32)
+        assert got[0] is None
+        assert (got[1] is None) == (damage == "swapped keys")
+        assert consumer.rejections() == expected
+    assert consumer.has_cache_item([IMAGE]) == [False]
 
 
 def test_an_unreachable_store_is_a_miss_and_saves_fail_softly(backend, read_only):

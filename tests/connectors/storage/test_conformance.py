@@ -58,16 +58,20 @@ def test_a_block_stored_with_other_metadata_is_a_miss(store, meta, make_cache):
     io = KVBlockIO(store, "pool", meta)
     assert io.load(torch.zeros(make_cache().shape), [1], HASHES[:1]) == [False]
     assert (io.stats.loaded, io.stats.misses, io.stats.rejected) == (0, 0, 1)
+    assert io.rejections.snapshot() == {"metadata": 1}
 
 
-def test_a_block_of_another_shape_or_dtype_is_a_miss(store, meta, make_cache):
+@pytest.mark.parametrize(
+    "shape,dtype", [((8, 2, 2, 4, 1, 8), torch.float32), (None, torch.bfloat16)]
+)
+def test_a_block_of_another_shape_or_dtype_is_a_miss(store, meta, make_cache, shape, dtype):
     io = KVBlockIO(store, "pool", meta)
     io.save(make_cache(), [1], HASHES[:1])
-    assert io.load(torch.zeros(8, 2, 2, 4, 1, 8), [1], HASHES[:1]) == [False]
-    assert io.load(torch.zeros(make_cache().shape, dtype=torch.bfloat16), [1], HASHES[:1]) == [
+    assert io.load(torch.zeros(shape or make_cache().shape, dtype=dtype), [1], HASHES[:1]) == [
         False
     ]
-    assert io.stats.rejected == 2
+    assert io.stats.rejected == 1 and io.rejections.snapshot() == {"dtype_shape": 1}
+    assert store.exists_many([io.key(HASHES[0])]) == [False]  # a key names one geometry: gone
 
 
 def test_garbage_bytes_are_a_miss(store, meta, make_cache):
@@ -107,11 +111,13 @@ def test_encoder_output_round_trips(store):
     assert torch.equal(got[0], embs[0]) and got[1] is out and torch.equal(out, embs[1])
     assert got[2] is None
     assert io.load(["img-a"], [(5, 32)], torch.bfloat16) == [None]
+    assert io.rejections.snapshot() == {"dtype_shape": 1} and io.has(["img-a"]) == [False]
 
 
 def _payloads(meta, n):
     """``n`` distinct valid encodings of one block, each filled with its writer's number."""
-    return [encode_kv_block(torch.full((2, 2, 4, 2, 8), float(i)), meta) for i in range(n)]
+    key = "epd:kv:pool:fp:aa"
+    return [encode_kv_block(torch.full((2, 2, 4, 2, 8), float(i)), meta, key) for i in range(n)]
 
 
 def test_concurrent_writers_of_one_key_never_expose_a_torn_value_threads(store, meta):

@@ -134,6 +134,7 @@ def test_a_value_of_the_wrong_type_or_corrupt_bytes_is_a_miss(make_store, meta, 
         assert io.load(torch.zeros(make_cache().shape), [1, 2], [b"\x01", b"\x02"]) == [False] * 2
         assert store.stats.rejected == 1 and io.stats.rejected == 1
         assert store.stats.get_failures == 0 and not store.breaker.is_down
+        assert client.exists(io.key(b"\x01"), io.key(b"\x02")) == 0  # both deleted
     finally:
         client.close()
 
@@ -143,6 +144,7 @@ def test_values_over_the_size_limit_are_rejected_on_read(make_store):
     store.put_many([("big", b"x" * 2000), ("small", b"y")])
     assert store.get_many(["big", "small"]) == [None, b"y"]
     assert store.stats.rejected == 1
+    assert store.exists_many(["big", "small"]) == [False, True]  # deleted: never read again
 
 
 def test_values_expire_after_the_ttl(make_store):
