@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from epdserve.operator import cache, engine, meta, network, router, scalers
+from collections.abc import Callable
+
+from epdserve.operator import cache, engine, kvevents, meta, network, router, scalers
 from epdserve.operator.spec import ROLES, PoolSpec
 
 # Kinds the operator owns, in apply order (ConfigMap before the pods that read it, RBAC
@@ -22,8 +24,21 @@ OWNED_KINDS = (
 )
 
 
+def generated_secrets(pool: PoolSpec) -> list[tuple[str, Callable[[], dict]]]:
+    """(name, build) of each Secret the operator generates for the pool (created once, never
+    read back or overwritten); `build` draws fresh secret material each call."""
+    out = []
+    if pool.cache.backend == "redis" and pool.cache.redis_managed:
+        build = lambda: cache.build_redis_secret(pool, cache.new_password())  # noqa: E731
+        out.append((meta.name_of(pool, "redis"), build))
+    if kvevents.curve_enabled(pool):
+        build = lambda: kvevents.build_curve_secret(pool, kvevents.new_curve_keys())  # noqa: E731
+        out.append((kvevents.curve_secret_name(pool), build))
+    return out
+
+
 def desired_objects(pool: PoolSpec, replicas: dict[str, int] | None = None) -> list[dict]:
-    """Every child of the pool except the create-once Redis Secret, in apply order.
+    """Every child of the pool except the generated Secrets, in apply order.
 
     `replicas` overrides the size of autoscaled roles (what the autoscaler decided).
     """

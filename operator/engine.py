@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from epdserve.operator import meta, source
+from epdserve.operator import kvevents, meta, source
 from epdserve.operator.gpu import device_env
 from epdserve.operator.spec import SERVE_ROLE, PoolSpec
 from epdserve.operator.transfer import ec_transfer_config, kv_events_config, kv_transfer_config
@@ -73,7 +73,8 @@ def downward_env() -> list[dict]:
 def engine_env(pool: PoolSpec, role: str) -> list[dict]:
     """The environment of an engine container of `role` (the pod contract)."""
     config_map = meta.name_of(pool, "config")
-    env = downward_env() + [
+    env = downward_env() + kvevents.engine_env(pool, role)
+    env += [
         {"name": "EPDSERVE_POOL", "value": pool.name},
         _from_config("EPDSERVE_HASH_SEED", config_map, "hash-seed"),
         {"name": "HOME", "value": "/tmp"},
@@ -175,7 +176,7 @@ def model_volumes(pool: PoolSpec) -> tuple[list[dict], list[dict]]:
     return [volume], [{"name": "model", "mountPath": "/models", "readOnly": True}]
 
 
-def _volumes(pool: PoolSpec) -> tuple[list[dict], list[dict]]:
+def _volumes(pool: PoolSpec, role: str) -> tuple[list[dict], list[dict]]:
     volumes = [
         {"name": "tmp", "emptyDir": {}},
         source.cache_volume(pool.model_hf),
@@ -193,7 +194,8 @@ def _volumes(pool: PoolSpec) -> tuple[list[dict], list[dict]]:
         claim = {"claimName": pool.cache.storage_claim}
         volumes.append({"name": "shared-cache", "persistentVolumeClaim": claim})
         mounts.append({"name": "shared-cache", "mountPath": pool.cache.storage_path})
-    return volumes, mounts
+    curve_vols, curve_mounts = kvevents.engine_volumes(pool, role)
+    return volumes + curve_vols, mounts + curve_mounts
 
 
 def _ports(pool: PoolSpec, role: str) -> list[dict]:
@@ -208,7 +210,7 @@ def build_engine_deployment(pool: PoolSpec, role: str, config_hash: str = "") ->
     """The Deployment `<pool>-<role>` running `epdserve serve --role ...`."""
     spec = pool.roles[role]
     selector = {meta.POOL_LABEL: pool.name, meta.ROLE_LABEL: role}
-    volumes, mounts = _volumes(pool)
+    volumes, mounts = _volumes(pool, role)
     lifecycle, grace = graceful_stop(pool, role)
     container = {
         "name": "engine",

@@ -1,6 +1,7 @@
-"""Pure builders for the pool's NetworkPolicies: only the pool's own pods reach the engines'
-KV-event/replay ports and the managed Redis; the engines' and the router's HTTP port stay open
-(clients, Prometheus, probes). Ingress only: egress is left to the cluster's policy."""
+"""Pure builders for the pool's NetworkPolicies: only the pool's router pods reach the engines'
+KV-event/replay ports (the router is their only subscriber), only the pool's engine pods the
+managed Redis; the engines' and the router's HTTP port stay open (clients, Prometheus,
+probes). Ingress only: egress is left to the cluster's policy."""
 
 from __future__ import annotations
 
@@ -40,15 +41,11 @@ def router_pods(pool: PoolSpec) -> dict:
 
 def build_engine_network_policy(pool: PoolSpec) -> dict:
     """NetworkPolicy `<pool>-engines`: the HTTP port from anywhere; the KV-event and replay
-    ports from the pool's engine and router pods only; any other port from nobody."""
+    ports from the pool's router pods only; any other port from nobody."""
     ingress = [{"ports": _tcp(meta.HTTP_PORT)}]
     if pool.kv_events:
-        ingress.append(
-            {
-                "from": [engine_pods(pool), router_pods(pool)],
-                "ports": _tcp(meta.EVENTS_PORT, meta.REPLAY_PORT),
-            }
-        )
+        events = _tcp(meta.EVENTS_PORT, meta.REPLAY_PORT)
+        ingress.append({"from": [router_pods(pool)], "ports": events})
     selector = {meta.POOL_LABEL: pool.name}
     return _policy(pool, meta.name_of(pool, "engines"), selector, ingress)
 

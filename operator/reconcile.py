@@ -9,14 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epdserve.operator import cache, meta, router
+from epdserve.operator import meta, router
 from epdserve.operator.autoscaler import held_replicas
-from epdserve.operator.desired import OWNED_KINDS, desired_objects, desired_replicas
+from epdserve.operator.desired import (
+    OWNED_KINDS,
+    desired_objects,
+    desired_replicas,
+    generated_secrets,
+)
 from epdserve.operator.kube import ApiError, Kube
+from epdserve.operator.kvevents import CurveUnavailable
 from epdserve.operator.spec import InvalidSpec, PoolSpec, parse_pool
 from epdserve.operator.status import counts_for, degraded_status, is_transition, pool_status
 
-PRUNED_KINDS = OWNED_KINDS + (("v1", "Secret"),)
+# Secrets are not listed: the operator may create them but not read them (docs/security.md),
+# so a generated Secret a pool stops using stays until the pool is deleted (owner reference).
+PRUNED_KINDS = OWNED_KINDS
 
 
 @dataclass
@@ -125,6 +133,8 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
         if exc.transient:
             return Outcome(status={}, retry="temporary", error=str(exc))
         return _degraded("ApplyFailed", str(exc), generation, old_status, now, announce)
+    except CurveUnavailable as exc:
+        return _degraded("CurveUnavailable", str(exc), generation, old_status, now, announce)
     replicas = desired_replicas(pool, held)
     deployments = {name: d for (kind, name), d in live.items() if kind == "Deployment"}
     status = pool_status(
@@ -146,16 +156,7 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
 def _apply_all(kube, pool, live, unserved, outcome, announce, held) -> None:
     objects = desired_objects(pool, held)
     keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    if pool.cache.backend == "redis" and pool.cache.redis_managed:
-        secret = meta.name_of(pool, "redis")
-        keep.add(("Secret", secret))
-        if ("Secret", secret) not in live:
-            try:  # created once with a fresh password, never overwritten
-                kube.create(cache.build_redis_secret(pool, cache.new_password()))
-                outcome.changed.append(f"created Secret {secret}")
-            except ApiError as exc:
-                if exc.status != 409:
-                    raise
+    create_secrets(kube, pool, outcome)
     for obj in objects:
         if obj["kind"] in unserved:
             if announce:
@@ -166,6 +167,21 @@ def _apply_all(kube, pool, live, unserved, outcome, announce, held) -> None:
         if result != "unchanged":
             outcome.changed.append(f"{result} {obj['kind']} {obj['metadata']['name']}")
     outcome.changed += prune(kube, pool, live, keep)
+
+
+def create_secrets(kube: Kube, pool: PoolSpec, outcome: Outcome) -> None:
+    """Create the Secrets the operator generates, before the pods that mount them.
+
+    The operator may only `create` Secrets (no get or list), so it posts each one on every
+    pass and takes 409 AlreadyExists as done: an existing Secret is never read or rewritten.
+    """
+    for name, build in generated_secrets(pool):
+        try:
+            kube.create(build())
+            outcome.changed.append(f"created Secret {name}")
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
 
 
 def _degraded(reason: str, message: str, generation, old_status: dict, now: str, announce: bool):

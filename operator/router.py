@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epdserve.operator import meta, source
+from epdserve.operator import kvevents, meta, source
 from epdserve.operator.engine import api_key_env, downward_env, model_volumes
 from epdserve.operator.spec import PoolSpec
 
@@ -99,6 +99,7 @@ def router_command(pool: PoolSpec) -> list[str]:
         str(meta.EVENTS_PORT),
         "--kv-replay-port",
         str(meta.REPLAY_PORT),
+        *kvevents.router_args(pool),
     ]
 
 
@@ -106,6 +107,7 @@ def build_router_deployment(pool: PoolSpec) -> dict:
     """Deployment `<pool>-router`: the cache-aware gateway in front of the engine pods."""
     router = pool.router
     model_vols, model_mounts = model_volumes(pool)
+    curve_vols, curve_mounts = kvevents.router_volumes(pool)
     container = {
         "name": "router",
         "image": router.image,
@@ -124,6 +126,7 @@ def build_router_deployment(pool: PoolSpec) -> dict:
             {"name": "tmp", "mountPath": "/tmp"},
             source.cache_mount(),
             *model_mounts,
+            *curve_mounts,
         ],
         "securityContext": meta.container_security_context(),
         "livenessProbe": meta.http_probe("/health", period=10, failures=3, initial=5),
@@ -138,6 +141,7 @@ def build_router_deployment(pool: PoolSpec) -> dict:
             {"name": "tmp", "emptyDir": {}},
             source.cache_volume(pool.model_hf),
             *model_vols,
+            *curve_vols,
         ],
     }
     if pool.model_hf:  # the engine image downloads (the router image may lack the hub client)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from epdserve.operator.autoscaling import (
     AutoscalingSpec,
@@ -104,6 +105,7 @@ class PoolSpec:
     device: str = "auto"  # auto: cuda for roles with GPUs, the engine's own choice otherwise
     gpu_memory_utilization: float = 0.9
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    kv_events_curve: bool = True  # CurveZMQ on the KV-event sockets (keys in a pool Secret)
 
     @property
     def model_arg(self) -> str:
@@ -233,6 +235,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
         cache=cache,
         hash_seed=str(spec.get("hashSeed") or meta.get("uid") or meta.get("name", "")),
         kv_events=bool((spec.get("kvEvents") or {}).get("enabled", True)),
+        kv_events_curve=bool((spec.get("kvEvents") or {}).get("curve", True)),
         router=RouterSpec(
             replicas=int(router.get("replicas", 1)),
             strategy=router.get("strategy", "prefix+load"),
@@ -297,6 +300,7 @@ def _validate_cache(pool: PoolSpec) -> None:
     if cache.backend == "redis":
         if cache.redis_managed == bool(cache.redis_url):
             raise InvalidSpec("spec.cache.redis: set exactly one of url or managed: true")
+        _validate_redis_url(cache.redis_url)
         if cache.redis_managed and cache.redis_secret:
             raise InvalidSpec(
                 "spec.cache.redis.passwordSecretRef: the managed Redis generates its own password"
@@ -304,6 +308,23 @@ def _validate_cache(pool: PoolSpec) -> None:
         _validate_max_memory(cache)
     if cache.backend == "sharedStorage" and not cache.storage_claim:
         raise InvalidSpec("spec.cache.sharedStorage.claimName is required for sharedStorage")
+
+
+def _validate_redis_url(url: str | None) -> None:
+    """A password in the URL would land in the pool's ConfigMap and the pods' env: refuse it."""
+    if not url:
+        return
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise InvalidSpec(f"spec.cache.redis.url: not a URL ({exc})") from None
+    in_query = any(k.lower() == "password" for k, _ in parse_qsl(parts.query))
+    if parts.password is not None or in_query:
+        raise InvalidSpec(
+            "spec.cache.redis.url: carries a password, which would be copied into a ConfigMap; "
+            "remove it from the URL, put it in a Secret and reference that Secret with "
+            "spec.cache.redis.passwordSecretRef"
+        )
 
 
 def _validate_max_memory(cache: CacheSpec) -> None:

@@ -24,6 +24,7 @@ VALUES = [
         "nodeSelector": {"pool": "cpu"},
         "imagePullSecrets": [{"name": "r"}],
         "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
+        "secrets": {"readNames": ["hub-token"], "readAll": True},
     },
 ]
 RULES = CHART / "files" / "prometheus-rules.yaml"
@@ -132,10 +133,45 @@ def test_secret_access_is_cluster_wide_only_when_every_namespace_is_watched():
     assert not any(a.startswith("--namespace") for a in args)  # it watches the whole cluster
 
 
-def test_the_operator_never_reads_or_rewrites_a_secret_by_name():
+def test_by_default_the_operator_may_create_secrets_and_read_none():
     for values in ({}, SCOPED):
         for verbs in _secret_grants(render(values)).values():
-            assert verbs == {"list", "create", "delete"}
+            assert verbs == {"create"}
+
+
+def _secret_rules(docs: list[dict]) -> list[dict]:
+    return [
+        rule
+        for d in docs
+        if d["kind"] in ("Role", "ClusterRole")
+        for rule in d["rules"]
+        if "secrets" in rule["resources"]
+    ]
+
+
+def test_named_secrets_are_readable_by_name_only():
+    values = {**SCOPED, "secrets": {"readNames": ["hub-token", "redis-auth"]}}
+    rules = _secret_rules(render(values))
+    reads = [r for r in rules if r["verbs"] != ["create"]]
+    assert len(reads) == 2  # one Role per watched namespace
+    for rule in reads:
+        assert rule["verbs"] == ["get"]
+        assert rule["resourceNames"] == ["hub-token", "redis-auth"]
+    assert all("resourceNames" not in r for r in rules if r["verbs"] == ["create"])
+
+
+def test_reading_every_secret_is_an_explicit_opt_in():
+    docs = render({"secrets": {"readAll": True}})
+    grants = _secret_grants(docs)
+    assert grants == {("ClusterRole", ""): {"create", "get", "list", "watch"}}
+    assert not any("resourceNames" in r for r in _secret_rules(docs))
+
+
+def test_secret_values_are_checked_by_the_schema():
+    with pytest.raises(helm.HelmError):
+        render({"secrets": {"readAll": "yes"}})
+    with pytest.raises(helm.HelmError):
+        render({"secrets": {"readNames": "one"}})
 
 
 def test_operator_pod_is_locked_down_and_runs_epdserve_operator():

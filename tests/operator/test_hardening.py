@@ -125,7 +125,7 @@ def test_bad_store_bounds_are_invalid_specs_naming_the_field(cache_spec, field):
         parse_pool(pool_body(roles=PD, cache=cache_spec))
 
 
-def test_engine_ports_admit_pool_members_only_except_http():
+def test_engine_event_ports_admit_the_pools_routers_only_and_http_anyone():
     pool = parse_pool(example("pd-redis"))
     spec = network.build_engine_network_policy(pool)["spec"]
     assert spec["podSelector"] == {"matchLabels": {"epdserve.io/pool": "llama-pd"}}
@@ -133,10 +133,8 @@ def test_engine_ports_admit_pool_members_only_except_http():
     http, events = spec["ingress"]
     assert http == {"ports": [{"protocol": "TCP", "port": 8000}]}  # no `from`: anyone
     assert [p["port"] for p in events["ports"]] == [5557, 5558]
-    assert events["from"] == [
-        {"podSelector": {"matchLabels": {"epdserve.io/pool": "llama-pd"}}},
-        {"podSelector": {"matchLabels": {"epdserve.io/router": "llama-pd"}}},
-    ]
+    # the router is the only subscriber: engine pods do not reach each other's event ports
+    assert events["from"] == [{"podSelector": {"matchLabels": {"epdserve.io/router": "llama-pd"}}}]
 
 
 def test_the_managed_redis_admits_the_pools_engines_only():
@@ -163,6 +161,7 @@ def test_the_policies_select_the_pods_the_builders_label():
     assert selects(redis, redis_pod) and not selects(engines, redis_pod)
     peers = [p["podSelector"]["matchLabels"] for p in engines["spec"]["ingress"][1]["from"]]
     assert any(p.items() <= router_pod["labels"].items() for p in peers)
+    assert not any(p.items() <= engine_pod["labels"].items() for p in peers)
 
 
 def test_without_kv_events_only_http_reaches_the_engines():

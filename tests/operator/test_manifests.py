@@ -13,6 +13,7 @@ from ipool_samples import EXAMPLES, ROOT, example, pool_body
 
 from epdserve.operator.cache import build_redis_secret
 from epdserve.operator.desired import desired_objects
+from epdserve.operator.kvevents import CURVE_KEYS, build_curve_secret
 from epdserve.operator.spec import parse_pool
 
 K8S_VERSIONS = ("1.30.0", "1.33.0")
@@ -22,7 +23,8 @@ SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 def all_manifests(body: dict) -> list[dict]:
     pool = parse_pool(body)
-    return desired_objects(pool) + [build_redis_secret(pool, "pw")]
+    keys = {name: b"k" * 40 for name in CURVE_KEYS}
+    return desired_objects(pool) + [build_redis_secret(pool, "pw"), build_curve_secret(pool, keys)]
 
 
 def external_redis_pool() -> dict:

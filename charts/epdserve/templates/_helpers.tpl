@@ -79,11 +79,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: ["get", "list", "create", "patch", "update", "delete"]
 {{- end -}}
 
-{{/* Secrets, granted apart so the grant is easy to audit: the operator creates each managed
-Redis password once, lists its own (by label) to know whether it exists, and deletes it when
-the pool stops using it. It never reads one by name, and never updates one. */}}
+{{/* Secrets, granted apart so the grant is easy to audit. The operator never reads a Secret:
+pods reference them (the kubelet reads them), and it creates the ones it generates (managed
+Redis password, KV-event Curve keys) once, taking AlreadyExists as done. `create` cannot be
+narrowed by resourceNames, so it is granted alone. Reads are opt-in: `get` on the Secrets
+named in secrets.readNames, or get/list/watch on all of them with secrets.readAll. */}}
 {{- define "epdserve.secretRules" -}}
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["list", "create", "delete"]
+  verbs: ["create"]
+{{- with .Values.secrets.readNames }}
+- apiGroups: [""]
+  resources: ["secrets"]
+  resourceNames: {{ toJson . }}
+  verbs: ["get"]
+{{- end }}
+{{- if .Values.secrets.readAll }}
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "list", "watch"]
+{{- end }}
 {{- end -}}
