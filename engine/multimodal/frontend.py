@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from epdserve.engine.core.interfaces import MMFeature
+from epdserve.engine.multimodal.budget import check_request_pixels
 from epdserve.engine.multimodal.images import (
     ImageLimits,
     LoadedImage,
@@ -51,7 +52,9 @@ class FrontendMultimodal:
         processor_kwargs: dict | None = None,
     ) -> tuple[list[int], list[MMFeature]]:
         """Token ids with expanded placeholders, and the engine features of the images
-        (pan-and-scan crops are features of their own)."""
+        (pan-and-scan crops are features of their own). The request's pixel budget is
+        checked before any image is decoded."""
+        check_request_pixels(images, self.limits)
         processed = self.processor.process(text, images, add_special_tokens, processor_kwargs)
         features = [
             MMFeature(

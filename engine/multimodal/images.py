@@ -4,7 +4,9 @@ Data URLs are always accepted; ``http(s)`` URLs only for hosts on an explicit al
 (``--allowed-media-domains``); ``file://`` URLs only below ``--allowed-local-media-path``.
 Every failure raises ``ValueError`` whose message starts with the part's name, so the
 server can answer 400 naming it. The API server uses ``load_image_url_async``: fetching is
-asynchronous and decoding runs in a worker thread, so no image stalls the event loop.
+asynchronous and header checks run in a worker thread, so no image stalls the event loop.
+Loading reads only an image's header (``budget.probe``); its pixels are decoded later, one
+image at a time, and only when the processor has not already got them (``LoadedImage``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import io
 import os
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
+
+from epdserve.engine.multimodal.budget import ImageHeader, decode_rgb, probe
+from epdserve.engine.multimodal.hashing import image_item_bytes
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
@@ -23,21 +27,68 @@ ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 @dataclass(frozen=True)
 class ImageLimits:
     max_bytes: int = 20 << 20
-    max_pixels: int = 40_000_000
+    # 25 M: a 24-megapixel camera photo (6000x4000) fits; it decodes to 75 MB of RGB
+    max_pixels: int = 25_000_000
+    # 100 M: eight 12-megapixel phone photos (4032x3024, 97.5 M) fit; decoded one at a
+    # time, so this bounds a request's decode work (about 1-2 s of CPU), not its memory
+    max_pixels_per_request: int = 100_000_000
     formats: tuple[str, ...] = ALLOWED_FORMATS
     allowed_hosts: frozenset[str] = field(default_factory=frozenset)
     fetch_timeout_s: float = 10.0
     local_media_path: str | None = None  # file:// URLs must resolve below this directory
 
+    def __post_init__(self):
+        for name in ("max_bytes", "max_pixels", "max_pixels_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
 
-@dataclass(frozen=True)
+
 class LoadedImage:
-    image: object  # PIL.Image.Image, RGB
-    raw: bytes  # the original encoded bytes (what the multimodal hash covers)
+    """One image input: its encoded bytes and their checked header; pixels on demand.
+
+    Holding one costs only its encoded bytes, so a request's images wait for their turn
+    without their pixels: ``decode()`` makes the RGB image anew on every call and keeps
+    nothing. The offline API may hand over decoded PIL images instead (``pixels``, no
+    header: there is nothing left to decode or to charge)."""
+
+    __slots__ = ("pixels", "raw", "header", "where", "limits")
+
+    def __init__(
+        self,
+        pixels=None,  # PIL.Image.Image, RGB, when the caller already decoded it
+        raw: bytes = b"",  # the original encoded bytes (what the multimodal hash covers)
+        header: ImageHeader | None = None,
+        where: str = "image",
+        limits: ImageLimits | None = None,
+    ):
+        assert pixels is not None or header is not None, "an image needs pixels or a header"
+        self.pixels, self.raw, self.header, self.where = pixels, raw, header, where
+        self.limits = limits or ImageLimits()
+
+    @property
+    def image(self):
+        """The RGB image (decoded now, when only the encoded bytes are held)."""
+        return self.decode()
+
+    def decode(self):
+        if self.pixels is not None:
+            return self.pixels
+        return decode_rgb(self.raw, self.header, self.limits, self.where)
+
+    def item_bytes(self) -> bytes:
+        """What the multimodal hash covers: the encoded bytes (no decoding needed)."""
+        return image_item_bytes(self.raw, self.pixels)
+
+
+def checked(raw: bytes, limits: ImageLimits, where: str) -> LoadedImage:
+    """Encoded bytes whose header passed the per-image checks (nothing decoded)."""
+    if len(raw) > limits.max_bytes:
+        raise ValueError(f"{where}: image is larger than {limits.max_bytes} bytes")
+    return LoadedImage(raw=raw, header=probe(raw, limits, where), where=where, limits=limits)
 
 
 def load_image_url(url: str, limits: ImageLimits, where: str) -> LoadedImage:
-    """Decode a data URL (or fetch an allow-listed http(s) URL) into an RGB PIL image."""
+    """A data URL (or an allow-listed http(s) or local file URL), its header checked."""
     if url.startswith("data:"):
         raw = _decode_data_url(url, limits, where)
     elif url.startswith(("http://", "https://")):
@@ -46,14 +97,14 @@ def load_image_url(url: str, limits: ImageLimits, where: str) -> LoadedImage:
         raw = _read_local(url, limits, where)
     else:
         raise _bad_scheme(where)
-    return LoadedImage(decode_image(raw, limits, where), raw)
+    return checked(raw, limits, where)
 
 
 async def load_image_url_async(url: str, limits: ImageLimits, where: str) -> LoadedImage:
-    """``load_image_url`` for the event loop: the fetch is awaited, decoding is threaded."""
+    """``load_image_url`` for the event loop: the fetch is awaited, the header check threaded."""
     if url.startswith(("http://", "https://")):
         raw = await _fetch_async(url, limits, where)
-        return LoadedImage(await asyncio.to_thread(decode_image, raw, limits, where), raw)
+        return await asyncio.to_thread(checked, raw, limits, where)
     if not url.startswith(("data:", "file:")):
         raise _bad_scheme(where)
     return await asyncio.to_thread(load_image_url, url, limits, where)
@@ -153,22 +204,5 @@ def _fetch(url: str, limits: ImageLimits, where: str) -> bytes:
 
 
 def decode_image(raw: bytes, limits: ImageLimits, where: str):
-    from PIL import Image, UnidentifiedImageError
-
-    if len(raw) > limits.max_bytes:
-        raise ValueError(f"{where}: image is larger than {limits.max_bytes} bytes")
-    try:
-        with Image.open(io.BytesIO(raw)) as img:
-            if img.format not in limits.formats:
-                raise ValueError(
-                    f"{where}: image format {img.format} is not accepted; use one of "
-                    f"{', '.join(limits.formats)}"
-                )
-            if img.width * img.height > limits.max_pixels:
-                raise ValueError(
-                    f"{where}: image has {img.width}x{img.height} pixels, more than "
-                    f"{limits.max_pixels}"
-                )
-            return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-        raise ValueError(f"{where}: not a decodable image") from exc
+    """``raw`` checked and decoded at once: an RGB PIL image."""
+    return checked(raw, limits, where).decode()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from epdserve.engine.multimodal.hashing import image_item_bytes, mm_hash
+from epdserve.engine.multimodal.hashing import mm_hash
 from epdserve.engine.multimodal.images import LoadedImage
 from epdserve.engine.tokenizer import TokenizerInfo
 
@@ -136,16 +136,13 @@ class ImageProcessor:
             options = {}
         named = []  # (identifier, [1 + crops, 3, H, W]) per image
         for image in images:
+            # hashed from the encoded bytes: a cached image is never decoded again
             ident = mm_hash(
-                self.model_id,
-                "image",
-                image_item_bytes(image.raw, image.image),
-                {"size": self.size, **options},
+                self.model_id, "image", image.item_bytes(), {"size": self.size, **options}
             )
             pixels = self.cache.get(ident)
             if pixels is None:
-                out = self.hf.image_processor(images=[image.image], return_tensors="np", **options)
-                pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+                pixels = self._pixels(image, options)
                 self.cache.put(ident, pixels)
             named.append((ident, pixels))
         parts = prompt.split(self.boi_token)
@@ -161,6 +158,12 @@ class ImageProcessor:
                 name = ident if crop == 0 else f"{ident}.{crop}"
                 items.append(MMItem(name, crop_pixels, offset, length))
         return ProcessedPrompt(ids, items)
+
+    def _pixels(self, image: LoadedImage, options: dict) -> np.ndarray:
+        """One image decoded and processed; its RGB image is released on return, before
+        the next image is decoded."""
+        out = self.hf.image_processor(images=[image.decode()], return_tensors="np", **options)
+        return np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
 
 
 def placeholder_spans(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:

@@ -1,0 +1,173 @@
+"""The pixel budget: images are checked from their headers (per image, then per request)
+before anything is decoded, and decoded one at a time."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import warnings
+import weakref
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))  # the shared image bombs
+
+import image_bombs as bombs  # noqa: E402
+
+from epdserve.engine.multimodal import budget  # noqa: E402
+from epdserve.engine.multimodal.budget import ImageHeader, check_request_pixels  # noqa: E402
+from epdserve.engine.multimodal.images import ImageLimits, LoadedImage, load_image_url  # noqa: E402
+
+WHERE = "messages[0].content[1]"
+
+
+def load(raw: bytes, limits: ImageLimits | None = None) -> LoadedImage:
+    return load_image_url(bombs.data_url(raw), limits or ImageLimits(), WHERE)
+
+
+def charged(width: int, height: int, where: str) -> LoadedImage:
+    return LoadedImage(header=ImageHeader("PNG", width, height), where=where)
+
+
+def test_the_request_total_counts_every_image_and_names_the_one_past_the_bound():
+    limits = ImageLimits(max_pixels_per_request=1000)
+    images = [charged(10, 50, "a"), charged(10, 50, "b")]
+    assert check_request_pixels(images, limits) == 1000  # exactly the bound passes
+    with pytest.raises(
+        ValueError, match=r"^c: the request's images up to this one decode to 1,001 "
+    ):
+        check_request_pixels([*images, charged(1, 1, "c")], limits)
+
+
+def test_handed_over_pixels_are_not_charged():
+    from PIL import Image
+
+    given = LoadedImage(Image.new("RGB", (100, 100)), b"")
+    assert check_request_pixels([given], ImageLimits(max_pixels_per_request=1)) == 0
+
+
+def test_the_charge_is_the_rgb_the_processor_makes():
+    assert ImageHeader("PNG", 6300, 6300).rgb_bytes == 6300 * 6300 * 3
+
+
+def test_the_header_check_decodes_nothing(monkeypatch):
+    from PIL import ImageFile
+
+    def no_load(self):
+        raise AssertionError("pixels were decoded during the header check")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_load)
+    for raw in (bombs.png_1bit(4000, 4000), bombs.small("JPEG"), bombs.gif(64, 64, 10)):
+        assert load(raw).header.pixels > 0
+    with pytest.raises(ValueError, match="pixels"):
+        load(bombs.png_1bit(6300, 6300))
+
+
+# (name, encoded image, what the 400 says): each refused before a pixel is decoded
+HEADER_BOMBS = [
+    ("the 6.5 KB 1-bit PNG of 6300x6300", bombs.png_1bit(6300, 6300), "6300x6300 = 39,690,000"),
+    ("a PNG header of 50000x50000", bombs.png_header_only(50_000, 50_000), "PIL's own limit"),
+    ("a PNG inside PIL's warning range", bombs.png_header_only(10_000, 10_000), "10000x10000"),
+    ("a JPEG patched to 65000x65000", bombs.jpeg_claiming(65_000, 65_000), "PIL's own limit"),
+    ("a JPEG patched to 6000x6000", bombs.jpeg_claiming(6000, 6000), "6000x6000"),
+    ("a GIF of 1000 frames on a 9000x9000 screen", bombs.gif(9000, 9000, 1000), "9000x9000"),
+    ("a GIF whose first frame outgrows its screen", bombs.gif(1, 1, 3, (0, 0, 6000, 6000)), "6000"),
+    ("a WebP canvas of 16000x16000", bombs.webp_canvas(16_000, 16_000), "16000x16000"),
+    ("a WebP canvas of 6000x6000", bombs.webp_canvas(6000, 6000), "6000x6000"),
+]
+
+
+@pytest.mark.parametrize(
+    "raw, fragment", [c[1:] for c in HEADER_BOMBS], ids=[c[0] for c in HEADER_BOMBS]
+)
+def test_header_bombs_are_refused_naming_the_part(raw, fragment):
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: image has ") as info:
+        load(raw)
+    assert fragment in str(info.value) and "allowed per image" in str(info.value)
+
+
+def test_a_webp_canvas_is_checked_before_pil_allocates_it(monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("opened a WebP bomb"))
+    with pytest.raises(ValueError, match="10000x10000"):
+        load(bombs.webp_canvas(10_000, 10_000))
+
+
+def test_pils_bomb_warning_as_an_error_is_the_same_400():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: image has more than"):
+            load(bombs.png_header_only(10_000, 10_000), ImageLimits(max_pixels=200_000_000))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        bombs.png_header_only(2000, 2000),  # a big header over a 64-byte body
+        bombs.truncated(bombs.small("PNG", (400, 300))),
+        bombs.truncated(bombs.small("JPEG", (400, 300))),
+    ],
+    ids=["huge header, tiny body", "truncated PNG", "truncated JPEG"],
+)
+def test_truncated_images_pass_the_header_check_and_fail_to_decode_naming_the_part(raw):
+    image = load(raw)
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: not a decodable image"):
+        image.decode()
+
+
+def test_an_animated_image_is_its_first_frame_and_its_other_frames_cost_nothing():
+    image = load(bombs.gif(64, 48, 100_000))  # 2.4 MB: 100,000 one-pixel frames
+    assert image.header.pixels == 64 * 48
+    assert image.decode().size == (64, 48) and image.decode().mode == "RGB"
+
+
+@pytest.fixture(scope="module")
+def frontend(models):
+    from epdserve.engine.multimodal.frontend import FrontendMultimodal
+    from epdserve.engine.tokenizer import TokenizerInfo
+
+    path = str(models.get("gemma3"))
+    return lambda limits: FrontendMultimodal(path, "tiny", TokenizerInfo(path), limits)
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """Every image decoded, as weak references (the images themselves are not kept)."""
+    seen = []
+    real = budget.decode_rgb
+
+    def decode_rgb(*args):
+        gc.collect()
+        assert all(ref() is None for ref in seen), "an earlier decoded image is still alive"
+        image = real(*args)
+        seen.append(weakref.ref(image))
+        return image
+
+    monkeypatch.setattr("epdserve.engine.multimodal.images.decode_rgb", decode_rgb)
+    return seen
+
+
+def prompt(n: int) -> str:
+    return "<|im_start|>user\n" + "<start_of_image>" * n + "what?<|im_end|>\n"
+
+
+def test_images_are_decoded_one_at_a_time_and_a_cached_one_not_again(frontend, decodes):
+    mm = frontend(ImageLimits())
+    images = [load(bombs.small("PNG", (40 + i, 30))) for i in range(3)]
+    ids, features = mm.process(prompt(3), images)
+    assert len(decodes) == 3 and len(features) == 3
+    again_ids, _ = mm.process(prompt(3), images)  # the processor cache: hashed, not decoded
+    assert len(decodes) == 3 and again_ids == ids
+
+
+def test_the_request_budget_is_checked_before_the_first_decode(frontend, decodes):
+    mm = frontend(ImageLimits(max_pixels_per_request=5000))
+    images = [load(bombs.small("PNG", (50, 50)), mm.limits) for _ in range(2)]
+    images[1] = load_image_url(bombs.data_url(bombs.small("PNG", (51, 50))), mm.limits, "b")
+    with pytest.raises(
+        ValueError, match=r"^b: the request's images up to this one decode to 5,050"
+    ):
+        mm.process(prompt(2), images)
+    assert decodes == []
