@@ -111,6 +111,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="most images per request as JSON, e.g. '{\"image\": 4}' (default 8)",
     )
     p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=int(_env("max_image_pixels", 25_000_000)),
+        help="most pixels one image may decode to, read from its header before decoding "
+        "(default 25 M: a 24-megapixel photo fits)",
+    )
+    p.add_argument(
+        "--max-pixels-per-request",
+        type=int,
+        default=int(_env("max_pixels_per_request", 100_000_000)),
+        help="most pixels a request's images may decode to together, checked before the "
+        "first is decoded (default 100 M: eight 12-megapixel phone photos fit)",
+    )
+    p.add_argument(
         "--allowed-media-domains",
         nargs="*",
         default=(_env("allowed_media_domains") or "").split(),
@@ -198,6 +212,9 @@ def request_limits(args: argparse.Namespace):
         raise ValueError("limit_mm_per_prompt: image must be a non-negative integer")
     if args.allowed_local_media_path and not os.path.isdir(args.allowed_local_media_path):
         raise ValueError("allowed_local_media_path: not a directory")
+    for name in ("max_image_pixels", "max_pixels_per_request"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}: must be positive, got {getattr(args, name)}")
     limits = RequestLimits(
         max_logprobs=args.max_logprobs,
         max_body_bytes=args.max_request_body_bytes,
@@ -207,6 +224,8 @@ def request_limits(args: argparse.Namespace):
         allowed_hosts=frozenset(args.allowed_media_domains or ()),
         fetch_timeout_s=args.media_fetch_timeout,
         local_media_path=args.allowed_local_media_path or None,
+        max_pixels=args.max_image_pixels,
+        max_pixels_per_request=args.max_pixels_per_request,
     )
     return limits, images
 
