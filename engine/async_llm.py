@@ -82,23 +82,23 @@ class AsyncLLM:
         self.output = self.ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.bind(out_addr)
-        cmd = [
-            sys.executable,
-            "-m",
-            "epdserve.engine.core.core_proc",
-            "--config",
-            json.dumps(asdict(self.config)),
-            "--input",
-            in_addr,
-            "--output",
-            out_addr,
-        ]
+        cmd = [sys.executable, "-m", "epdserve.engine.core.core_proc"]
+        cmd += ["--input", in_addr, "--output", out_addr]
         # Its own session: a signal to the server's process group (a terminal's Ctrl-C, a
         # runtime signalling the group) reaches only this process, which drains its streams
         # and then stops the core; the core still dies with this process (PDEATHSIG).
         self.proc = subprocess.Popen(
-            cmd, env={**os.environ, **core_threads_env()}, start_new_session=True
+            cmd,
+            env={**os.environ, **core_threads_env()},
+            start_new_session=True,
+            stdin=subprocess.PIPE,
         )
+        # the config on stdin, not argv: a store URL's password must not show in `ps`
+        try:
+            self.proc.stdin.write(json.dumps(asdict(self.config)).encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died at once; _wait_ready reports its exit
+            pass
         await self._wait_ready()
         self._tasks = [
             asyncio.create_task(self._output_loop()),
@@ -171,13 +171,19 @@ class AsyncLLM:
         kv_transfer_params: dict | None = None,
         mm_features: list | None = None,
         cache_salt: str | None = None,
+        label: str | None = None,
     ) -> AsyncIterator[StreamOutput]:
-        """Stream a request's outputs; cancelling the iteration aborts the request."""
+        """Stream a request's outputs; cancelling the iteration aborts the request.
+        ``request_id`` must be the server's own (unique); ``label`` is the client's
+        X-Request-Id, carried to the core for its logs."""
         if self.dead:
             raise EngineDeadError(self.dead)
         request_id = request_id or uuid.uuid4().hex
         children = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]
+        if request_id in self.states or any(c in self.child_to_state for c in children):
+            raise RequestFailedError(f"request id {request_id} is already in flight", 500)
         state = RequestState(request_id, children, params, self.tokenizer, time.monotonic())
+        state.label = label  # for the output loop's test fault injection
         self.states[request_id] = state
         for i, child_id in enumerate(children):
             self.child_to_state[child_id] = state
@@ -191,6 +197,7 @@ class AsyncLLM:
                 kv_transfer_params,
                 mm_features or [],
                 cache_salt,
+                label,
             )
             await self.input.send_multipart([self.core_identity, ADD, self._encode.encode(req)])
         if self.metrics:
@@ -238,7 +245,7 @@ class AsyncLLM:
                     continue
                 try:
                     if faults:
-                        maybe_fail("detokenize", (out.request_id,))
+                        maybe_fail("detokenize", (out.request_id,), lambda _, s=state: s.label)
                     if state.process(out):
                         stopped.append(out.request_id)
                 except Exception as exc:  # this request's output is broken, not the others'

@@ -1,4 +1,6 @@
-"""The engine-core process: ``python -m epdserve.engine.core.core_proc --config JSON ...``.
+"""The engine-core process: ``python -m epdserve.engine.core.core_proc --input ADDR --output
+ADDR``, its ``EngineConfig`` as JSON on stdin (never on the command line: the KV-transfer
+config may hold a store password, and every local user can read a command line).
 
 Talks to the frontend over ZeroMQ: a DEALER connected to the frontend's ROUTER receives
 requests and aborts, a PUSH connected to its PULL sends outputs. Everything is msgpack;
@@ -76,24 +78,27 @@ class CoreLoop:
             return
         while True:
             try:
-                kind, payload = self.input.recv_multipart(zmq.NOBLOCK)
+                frames = self.input.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(kind, payload)
+            if len(frames) != 2:
+                log.warning("ignoring a message of %d frames", len(frames))
+                continue
+            self._handle(*frames)
 
     def _handle(self, kind: bytes, payload: bytes) -> None:
         if kind == ABORT:
             try:
                 self.core.abort_requests(_decode_abort.decode(payload))
-            except msgspec.DecodeError:
-                log.exception("malformed abort message ignored")
+            except Exception:  # an abort that cannot be applied must not end the core
+                log.exception("abort message ignored")
             return
         if kind != ADD:
             log.warning("ignoring message of unknown type %r", kind)
             return
         try:
             req = _decode_add.decode(payload)
-        except msgspec.DecodeError as exc:
+        except Exception as exc:  # malformed, or a field's own check raised
             self._reject(_request_id_of(payload), exc, 400)
             return
         try:
@@ -155,15 +160,14 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="epdserve-core")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser = argparse.ArgumentParser(prog="epdserve-core", description="EngineConfig JSON on stdin")
     parser.add_argument("--input", required=True, help="frontend ROUTER address")
     parser.add_argument("--output", required=True, help="frontend PULL address")
     args = parser.parse_args(argv)
     _die_with_parent()
     setup_logging()  # the API process's --log-level/--log-format, through the environment
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    config = EngineConfig(**json.loads(args.config))
+    config = EngineConfig(**json.loads(sys.stdin.read()))
     core = EncoderCore(config) if config.role == "encoder" else EngineCore(config)
     ctx = zmq.Context()
     input_sock = ctx.socket(zmq.DEALER)

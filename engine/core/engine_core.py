@@ -49,6 +49,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = None
     mm_features: list[MMFeature] = []
     cache_salt: str | None = None  # tenant isolation: folded into the first block's hash
+    label: str | None = None  # the client's X-Request-Id: logs and test fault injection only
 
 
 class EngineCore:
@@ -181,19 +182,21 @@ class EngineCore:
             if req.eos_token_id is not None
             else (self.eos_token_ids[0] if self.eos_token_ids else None)
         )
-        self.scheduler.add_request(
-            Request(
-                req.request_id,
-                req.prompt_token_ids,
-                req.sampling_params,
-                eos,
-                self.hasher,
-                req.arrival_time or time.monotonic(),
-                self._kv_transfer_params(req.kv_transfer_params),
-                self._mm_features(req),
-                req.cache_salt,
-            )
+        if req.request_id in self.scheduler.requests:  # before hashing a prompt for nothing
+            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos,
+            self.hasher,
+            req.arrival_time or time.monotonic(),
+            self._kv_transfer_params(req.kv_transfer_params),
+            self._mm_features(req),
+            req.cache_salt,
         )
+        request.label = req.label
+        self.scheduler.add_request(request)
 
     def _kv_transfer_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
         if self.config.role == "prefill" and not params:
@@ -227,9 +230,12 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         self.scheduler.solo_id = self.guard.solo(self.scheduler.requests)
-        sched = self.scheduler.schedule()
         try:
-            maybe_fail("execute", sched.num_scheduled_tokens)
+            sched = self.scheduler.schedule()
+        except Exception as exc:  # a scheduler fault is contained like an execution fault
+            return self.guard.contain_schedule(self.scheduler, exc)
+        try:
+            maybe_fail("execute", sched.num_scheduled_tokens, self.scheduler.label_of)
             result = self.runner.execute_model(sched)
         except Exception as exc:  # one request's fault must not end every request
             return self.guard.contain(self.scheduler, sched, exc)

@@ -66,6 +66,7 @@ class Request:
         # prompt logprobs need every prompt position computed here, never read from cache
         self.skip_prefix_cache = params.prompt_logprobs is not None
         self.kv_transfer_params = kv_transfer_params  # P/D hand-over (vLLM's field)
+        self.label: str | None = None  # the client's X-Request-Id: logs and tests only
 
     @property
     def num_tokens(self) -> int:

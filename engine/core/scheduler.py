@@ -53,11 +53,22 @@ class Scheduler:
         self.prompt_sources = [0, 0, 0]  # prompt tokens: computed, local cache hit, loaded
         self.solo_id: str | None = None  # set by the step guard: schedule only this request
         self.update_failures: list[tuple[str, Exception]] = []  # of the last update
+        # what schedule() is doing, so that a step that raised midway can be undone
+        self.scheduling: Request | None = None
+        self._step_scheduled: dict[str, int] = {}
+        self._step_advanced = False
+        self._step_output: SchedulerOutput | None = None
 
     # --- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:  # refused: the live one keeps its state
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def label_of(self, request_id: str) -> str | None:
+        """The client's label of a live request (``X-Request-Id``): logs and tests only."""
+        return getattr(self.requests.get(request_id), "label", None)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests wherever they are; frees their blocks."""
@@ -80,7 +91,8 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Send a running request back to the queue (its KV is recomputed later)."""
-        self.running.remove(request)
+        if request in self.running:  # not after a schedule() that raised while preempting it
+            self.running.remove(request)
         self._preempt(request, {}, [])
 
     def _free(self, request: Request) -> tuple[dict | None, bool]:
@@ -102,10 +114,14 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """This step's batch. If it raises, ``step_guard.undo_schedule`` puts every request back."""
         budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        self.scheduling, self._step_scheduled, self._step_advanced = None, num_scheduled, False
+        self._step_output = None
+        faults = injected_fault("schedule") is not None  # tests only: one env read per step
         if self.encoder is not None:
             self.encoder.begin_step()
-        num_scheduled: dict[str, int] = {}
         new_reqs: list[Request] = []
         cached_reqs: list[Request] = []
         new_block_ids: dict[str, list[list[int]]] = {}
@@ -121,6 +137,9 @@ class Scheduler:
             if solo is not None and request is not solo:
                 i += 1
                 continue
+            self.scheduling = request
+            if faults:
+                maybe_fail("schedule", (request.request_id,), self.label_of)
             n = min(
                 request.num_tokens - request.num_computed_tokens,
                 budget,
@@ -154,6 +173,9 @@ class Scheduler:
             request = self.waiting[0]
             if solo is not None and request is not solo:
                 break
+            self.scheduling = request
+            if faults:
+                maybe_fail("schedule", (request.request_id,), self.label_of)
             admitted = self._admit(request, budget)
             if admitted is LoadStart.NO_ROOM and self._unpin(request):
                 admitted = self._admit(request, budget)
@@ -185,7 +207,10 @@ class Scheduler:
             budget -= n
 
         self.waiting.extendleft(reversed(skipped))
-        return self._build_output(new_reqs, cached_reqs, new_block_ids, num_scheduled)
+        self.scheduling = None
+        out = self._build_output(new_reqs, cached_reqs, new_block_ids, num_scheduled)
+        self._step_scheduled, self._step_advanced, self._step_output = {}, False, None
+        return out
 
     def _admit(self, request: Request, budget: int) -> tuple[int, int] | LoadStart:
         """Allocate a waiting request's blocks: ``(computed tokens, tokens to schedule)``, or
@@ -253,12 +278,14 @@ class Scheduler:
             [r.num_computed_tokens for r in cached_reqs],
         )
         finished = sorted(self.finished_req_ids)
-        self.finished_req_ids.clear()
         out = SchedulerOutput(
             new_data, cached, num_scheduled, sum(num_scheduled.values()), finished
         )
+        self.finished_req_ids.clear()
+        self._step_output = out  # undo_schedule() tells its finished ids again
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+        self._step_advanced = True
         if self.encoder is not None:
             for req_id in num_scheduled:
                 self.encoder.after_step(self.requests[req_id])

@@ -8,15 +8,21 @@ sampled a token. A request whose solo step fails is the culprit: it alone finish
 error. A request caught in ``MAX_STRIKES`` failed batches is failed too, so a failure that
 only a combination of requests triggers cannot loop forever.
 
+A ``schedule()`` that raises is undone the same way (``contain_schedule``): the request it
+was handling, when it can tell, fails alone; otherwise the batch it was building is
+isolated as above. Every running request is recomputed, the core lives.
+
 Fault injection for tests: ``EPDSERVE_INJECT_FAULT=<stage>:<marker>`` makes stage
-``execute`` (the model runner) or ``update`` (the per-request update after it) raise for
-any batch holding a request whose id contains ``marker``. Unset in production.
+``schedule`` (the scheduler looking at one request), ``execute`` (the model runner) or
+``update`` (the per-request update after it) raise for any batch holding a request whose
+id or label (the client's ``X-Request-Id``) contains ``marker``. Unset in production.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 from epdserve.engine.core.interfaces import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from epdserve.engine.core.request import RequestStatus
@@ -37,12 +43,15 @@ def injected_fault(stage: str) -> str | None:
     return marker if sep and where == stage and marker else None
 
 
-def maybe_fail(stage: str, request_ids) -> None:
+def maybe_fail(stage: str, request_ids, label_of: Callable[[str], str | None] | None = None):
+    """Raise if a test asked ``stage`` to fail for one of ``request_ids`` (by id or label)."""
     marker = injected_fault(stage)
-    if marker is not None:
-        hit = next((r for r in request_ids if marker in r), None)
-        if hit is not None:
-            raise InjectedFault(f"injected fault in stage {stage} for request {hit}")
+    if marker is None:
+        return
+    for req_id in request_ids:
+        label = label_of(req_id) if label_of is not None else None
+        if marker in req_id or (label is not None and marker in label):
+            raise InjectedFault(f"injected fault in stage {stage} for request {req_id}")
 
 
 def roll_back(scheduler, sched: SchedulerOutput) -> None:
@@ -61,6 +70,37 @@ def roll_back(scheduler, sched: SchedulerOutput) -> None:
     scheduler.finished_req_ids.update(sched.finished_req_ids)
     if scheduler.encoder is not None:
         scheduler.encoder.cache.freed.extend(sched.free_encoder_ids)
+
+
+def undo_schedule(scheduler) -> tuple[str | None, list[str]]:
+    """Undo a ``schedule()`` that raised midway: ``(the request it was handling when it
+    raised or None, the requests it had scheduled)``. Every running request is preempted
+    (recomputed later, token-exact) once the blocks this step named past its computed
+    tokens are un-named; requests it had taken off the queue go back to it."""
+    culprit, scheduler.scheduling = scheduler.scheduling, None
+    scheduled, scheduler._step_scheduled = scheduler._step_scheduled, {}
+    advanced = scheduled if scheduler._step_advanced else {}
+    out, scheduler._step_output, scheduler._step_advanced = scheduler._step_output, None, False
+    if out is not None:  # what the runner was to be told this step it is told with the next
+        scheduler.finished_req_ids.update(out.finished_req_ids)
+        if scheduler.encoder is not None:
+            scheduler.encoder.cache.freed.extend(out.free_encoder_ids)
+    if culprit is not None and culprit.status != RequestStatus.RUNNING:
+        scheduler.kv.forget_uncomputed(culprit, 0)  # what its admission may have named
+    for request in list(scheduler.running):
+        computed = request.num_computed_tokens - advanced.get(request.request_id, 0)
+        scheduler.kv.forget_uncomputed(request, computed)
+        scheduler.preempt(request)
+    queued = {id(r) for r in scheduler.waiting}
+    for request in list(scheduler.requests.values()):
+        if id(request) in queued or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            continue
+        scheduler.kv.forget_uncomputed(request, 0)
+        if request.status == RequestStatus.RUNNING:  # taken off ``running`` midway
+            scheduler.preempt(request)
+        else:
+            scheduler.waiting.appendleft(request)
+    return (culprit.request_id if culprit is not None else None), list(scheduled)
 
 
 class StepGuard:
@@ -93,6 +133,28 @@ class StepGuard:
         roll_back(scheduler, sched)
         if not batch:
             raise exc  # nothing to blame: the step itself is broken
+        return self._isolate(scheduler, batch, exc)
+
+    def contain_schedule(self, scheduler, exc: Exception) -> list[EngineCoreOutput]:
+        """Undo a ``schedule()`` that raised: the request it was handling fails alone when it
+        can tell; otherwise the batch it was building (or, if none yet, every live request)
+        is isolated. Never raises: a scheduler fault must not end the core."""
+        self.num_failed_steps += 1
+        culprit, batch = undo_schedule(scheduler)
+        log.error(
+            "scheduling failed on %s (%s: %s)",
+            f"request {_named(scheduler, culprit)}" if culprit else "no one request; isolating",
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+        if culprit is not None:
+            return self.fail(scheduler, [culprit], f"{type(exc).__name__}: {exc}")
+        batch = [r for r in batch if r in scheduler.requests] or list(scheduler.requests)
+        return self._isolate(scheduler, batch, exc) if batch else []
+
+    def _isolate(self, scheduler, batch: list[str], exc: Exception) -> list[EngineCoreOutput]:
+        """Strike the batch; a lone or thrice-struck request fails, the rest run solo next."""
         for req_id in batch:
             self.strikes[req_id] = self.strikes.get(req_id, 0) + 1
         culprits = [r for r in batch if len(batch) == 1 or self.strikes[r] >= self.max_strikes]
@@ -103,6 +165,7 @@ class StepGuard:
 
     def fail(self, scheduler, request_ids: list[str], reason: str) -> list[EngineCoreOutput]:
         """Finish ``request_ids`` with an error (their blocks are freed)."""
+        names = {r: _named(scheduler, r) for r in request_ids}
         scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         outputs = []
         for req_id in request_ids:  # also those already gone: their client must hear of it
@@ -110,7 +173,7 @@ class StepGuard:
             self.strikes.pop(req_id, None)
             if req_id in self.suspects:
                 self.suspects.remove(req_id)
-            log.error("request %s failed: %s", req_id, reason)
+            log.error("request %s failed: %s", names[req_id], reason)
             outputs.append(
                 EngineCoreOutput(
                     req_id,
@@ -131,3 +194,9 @@ class StepGuard:
                 self.suspects.pop(0)
                 self.strikes.pop(solo, None)
                 return
+
+
+def _named(scheduler, req_id: str) -> str:
+    """``id`` or ``id (X-Request-Id label)`` for logs."""
+    label = scheduler.label_of(req_id)
+    return f"{req_id} (X-Request-Id {label!r})" if label else req_id
