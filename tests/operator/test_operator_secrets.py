@@ -88,3 +88,22 @@ def test_curve_switched_off_makes_no_key_secret(cluster, make_pool):
     wait_for(lambda: deployment(cluster, "plain-router"), what="router deployment")
     children = wait_for(lambda: cluster.children(NS, "plain"), what="children")
     assert not [name for kind, name in children if kind == "Secret"]
+
+
+def test_without_curve_support_the_pool_is_degraded_until_curve_is_switched_off(
+    cluster, make_pool, monkeypatch
+):
+    import zmq
+
+    monkeypatch.setattr(zmq, "has", lambda capability: capability != "curve")
+    make_pool(pool_body("nocurve"))
+    degraded = wait_for(
+        lambda: (
+            (c := condition(cluster.pool(NS, "nocurve"), "Degraded")).get("status") == "True" and c
+        ),
+        what="Degraded",
+    )
+    assert degraded["reason"] == "CurveUnavailable"
+    assert "spec.kvEvents.curve" in degraded["message"]
+    patch_pool(cluster, "nocurve", {"spec": {"kvEvents": {"curve": False}}})
+    wait_for(lambda: deployment(cluster, "nocurve-colocated"), what="created without Curve")
