@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # raw_values, shared with the P/D pool tests
+from raw_values import RawValues  # noqa: E402
 
 from epdserve.connectors.storage import (
     KVBlockMeta,
@@ -62,62 +66,6 @@ def make_store(request, tmp_path):
 @pytest.fixture(params=BACKENDS)
 def store(request, make_store):
     return make_store(request.param)
-
-
-class RawValues:
-    """Reads and damages stored values behind the store's back: Redis commands on the server,
-    plain file operations on the volume (what a faulty disk, a bad copy or a hostile writer
-    does)."""
-
-    def __init__(self, store):
-        self.store = store
-        self.client = None
-        if hasattr(store.config, "url"):
-            import redis
-
-            self.client = redis.Redis.from_url(store.config.url)
-
-    def get(self, key: str) -> bytes | None:
-        if self.client is not None:
-            return self.client.get(key)
-        try:
-            with open(self.store.path_of(key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def set(self, key: str, value: bytes) -> None:
-        if self.client is not None:
-            self.client.set(key, value)
-            return
-        with open(self.store.path_of(key), "wb") as f:
-            f.write(value)
-
-    def exists(self, key: str) -> bool:
-        return self.get(key) is not None
-
-    def flip_bit(self, key: str, offset: int, bit: int = 0) -> None:
-        """Flip one bit in place (``SETRANGE`` on Redis, a one-byte write on disk);
-        a negative ``offset`` counts from the end."""
-        value = self.get(key)
-        offset %= len(value)
-        byte = bytes([value[offset] ^ (1 << bit)])
-        if self.client is not None:
-            self.client.setrange(key, offset, byte)
-            return
-        with open(self.store.path_of(key), "r+b") as f:
-            f.seek(offset)
-            f.write(byte)
-
-    def truncate(self, key: str, size: int) -> None:
-        if self.client is not None:
-            self.client.set(key, self.get(key)[:size])
-            return
-        os.truncate(self.store.path_of(key), size)
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
 
 
 @pytest.fixture

@@ -6,85 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from raw_values import KV_DAMAGE
 
-from epdserve.connectors.storage import KVBlockIO, KVBlockMeta, encode_kv_block
+from epdserve.connectors.storage import KVBlockIO
 from epdserve.connectors.storage.transfer import rejection_counts
 
 HASHES = [bytes([i]) * 32 for i in range(1, 5)]
 SOURCE_IDS, DEST_IDS = [1, 2, 3, 4], [7, 6, 5, 4]
 
 
-def nested(depth: int) -> bytes:
-    raw = b"[" * depth + b"]" * depth
-    return len(raw).to_bytes(8, "little") + raw + bytes(2048)
-
-
-def flip_data_bit(raw, keys):
-    raw.flip_bit(keys[1], -1)
-    return {1: "checksum"}
-
-
-def flip_header_bit(raw, keys):
-    raw.flip_bit(keys[0], 10)  # inside "__metadata__": the header names no metadata
-    return {0: "not_safetensors"}
-
-
-def truncate(raw, keys):
-    raw.truncate(keys[2], len(raw.get(keys[2])) - 1)
-    raw.truncate(keys[3], 100)  # inside the header
-    return {2: "truncated", 3: "not_safetensors"}
-
-
-def pad(raw, keys):
-    raw.set(keys[1], raw.get(keys[1]) + bytes(1 << 20))
-    return {1: "oversized"}
-
-
-def swap(raw, keys):
-    first, second = raw.get(keys[0]), raw.get(keys[3])
-    raw.set(keys[0], second)
-    raw.set(keys[3], first)
-    return {0: "key", 3: "key"}
-
-
-def copy_under_another_key(raw, keys):
-    raw.set(keys[2], raw.get(keys[1]))  # same model, shape and checksum: only the key differs
-    return {2: "key"}
-
-
-def nest_10000(raw, keys):
-    raw.set(keys[0], nested(10_000))  # longer than any header may be
-    raw.set(keys[1], nested(8_000))  # fits: refused for its depth, before json sees it
-    return {0: "header_too_large", 1: "too_deep"}
-
-
-def not_safetensors(raw, keys):
-    raw.set(keys[3], b"hello")
-    return {3: "not_safetensors"}
-
-
-def older_format(raw, keys):
-    meta = KVBlockMeta("tiny-llama-0123", 4, "sha256_cbor", version=1)
-    raw.set(keys[1], encode_kv_block(torch.zeros(2, 2, 4, 2, 8), meta, keys[1]))
-    return {1: "format"}
-
-
-DAMAGE = [
-    flip_data_bit,
-    flip_header_bit,
-    truncate,
-    pad,
-    swap,
-    copy_under_another_key,
-    nest_10000,
-    not_safetensors,
-    older_format,
-]
-
-
 # staged: the host-staging path a device cache takes, run on CPU
 @pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
-@pytest.mark.parametrize("damage", DAMAGE, ids=[d.__name__ for d in DAMAGE])
+@pytest.mark.parametrize("damage", KV_DAMAGE, ids=[d.__name__ for d in KV_DAMAGE])
 def test_a_damaged_block_is_a_miss_deleted_and_counted(
     store, raw, meta, make_cache, damage, staged
 ):
