@@ -22,6 +22,7 @@ class Hostile:
     headers: dict = field(default_factory=dict)
     status: int = 400
     param: str | None = None  # the field the error must name (None: not checked)
+    message: str | None = None  # a fragment the error message must hold (None: not checked)
 
 
 def completion(**fields) -> dict:
@@ -129,3 +130,42 @@ def check(resp: httpx.Response, case: Hostile) -> None:
     assert error["message"] and error["type"] and error["code"] == case.status, case.name
     if case.param is not None:
         assert error["param"] == case.param, f"{case.name}: {error}"
+    if case.message is not None:
+        assert case.message in error["message"], f"{case.name}: {error}"
+
+
+# Image bombs (the pixel budget): for the pods of an image+text model. Not in TABLE, whose
+# text-only pods refuse any image part before looking at it. Each is refused from the
+# image's header, or (the truncated ones) when its decoding fails, naming the part.
+def _image_bombs() -> list[Hostile]:
+    import image_bombs as b
+
+    image, request, broken = "allowed per image", "allowed per request", "not a decodable image"
+    gif, webp, jpeg = "image/gif", "image/webp", "image/jpeg"
+    header = b.png_header_only
+    rows = [  # (name, message fragment, mime type, images)
+        ("a 6.5 KB 1-bit PNG of 6300x6300", image, None, [b.png_1bit(6300, 6300)]),
+        ("a PNG header of 50000x50000 (PIL's bomb error)", image, None, [header(50_000, 50_000)]),
+        ("a PNG header of 10000x10000 (PIL's bomb warning)", image, None, [header(10_000, 10_000)]),
+        ("a JPEG patched to 65000x65000", image, jpeg, [b.jpeg_claiming(65_000, 65_000)]),
+        ("a JPEG patched to 6000x6000", image, jpeg, [b.jpeg_claiming(6000, 6000)]),
+        ("a GIF of 1000 frames on a 9000x9000 screen", image, gif, [b.gif(9000, 9000, 1000)]),
+        ("a GIF frame larger than its screen", image, gif, [b.gif(1, 1, 3, (0, 0, 6000, 6000))]),
+        ("an animated WebP on a 16000x16000 canvas", image, webp, [b.webp_canvas(16_000, 16_000)]),
+        ("an animated WebP on a 6000x6000 canvas", image, webp, [b.webp_canvas(6000, 6000)]),
+        ("a 2000x2000 PNG header over 64 bytes", broken, None, [header(2000, 2000)]),
+        ("a truncated PNG", broken, None, [b.truncated(b.small("PNG", (400, 300)))]),
+        ("a truncated JPEG", broken, jpeg, [b.truncated(b.small("JPEG", (400, 300)))]),
+        ("five 20 M-pixel PNGs (101 M in all)", request, None, [b.png_1bit(4500, 4500)] * 5),
+    ]  # fmt: skip
+    cases = []
+    for name, message, mime, raws in rows:
+        urls = [b.data_url(raw, mime or "image/png") for raw in raws]
+        parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+        body = chat([*parts, {"type": "text", "text": "what is it?"}], max_tokens=4)
+        where = f"messages[0].content[{len(raws) - 1}]"  # the last image: it breaks the bound
+        cases.append(Hostile(name, body, path="/v1/chat/completions", param=where, message=message))
+    return cases
+
+
+IMAGE_BOMBS = _image_bombs()

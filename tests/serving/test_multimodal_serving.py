@@ -6,7 +6,9 @@ import base64
 import io
 
 import httpx
+import image_bombs
 import pytest
+from hostile_inputs import IMAGE_BOMBS, check, send
 from openai import OpenAI
 from serving_support import ServerProcess
 
@@ -138,3 +140,20 @@ def test_pan_and_scan_per_request_and_bad_processor_options_get_a_400(gemma_serv
         )
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == param
+
+
+def test_every_image_bomb_gets_a_400_naming_the_part_and_the_core_lives(gemma_server):
+    core = gemma_server.core_pid()
+    for case in IMAGE_BOMBS:
+        check(send(gemma_server.url, case), case)
+    assert gemma_server.core_pid() == core
+    client = OpenAI(base_url=gemma_server.url + "/v1", api_key="x", max_retries=0)
+    answer = chat(client, data_url((30, 60, 90)))
+    assert answer.choices[0].finish_reason and answer.usage.completion_tokens >= 1
+
+
+def test_an_animated_gif_of_100000_frames_is_served_as_its_first_frame(gemma_server):
+    client = OpenAI(base_url=gemma_server.url + "/v1", api_key="x", max_retries=0)
+    frames = image_bombs.gif(64, 48, 100_000)  # 2.4 MB; only frame 0 is ever decoded
+    answer = chat(client, image_bombs.data_url(frames, "image/gif"))
+    assert answer.usage.completion_tokens >= 1
