@@ -171,3 +171,25 @@ def test_the_request_budget_is_checked_before_the_first_decode(frontend, decodes
     ):
         mm.process(prompt(2), images)
     assert decodes == []
+
+
+def serve_args(*argv: str):
+    import argparse
+
+    from epdserve.engine.entrypoints import serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    return serve_cli.request_limits(parser.parse_args(["m", *argv]))[1]
+
+
+def test_the_serve_flags_and_environment_set_both_bounds(monkeypatch):
+    assert (serve_args().max_pixels, serve_args().max_pixels_per_request) == (
+        25_000_000,
+        100_000_000,
+    )
+    monkeypatch.setenv("EPDSERVE_MAX_IMAGE_PIXELS", "1234")
+    limits = serve_args("--max-pixels-per-request", "99")
+    assert (limits.max_pixels, limits.max_pixels_per_request) == (1234, 99)
+    with pytest.raises(ValueError, match="^max_pixels_per_request: must be positive"):
+        serve_args("--max-pixels-per-request", "0")
