@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from epdserve.engine.multimodal.structure import check_structure
+
 RGB_BYTES = 3  # per pixel of what the processor makes: one RGB frame
 PIL_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # the only parsers client bytes reach
 
@@ -55,6 +57,7 @@ class Charged(Protocol):
 def probe(raw: bytes, limits: PixelLimits, where: str) -> ImageHeader:
     """The header of ``raw``, refused (``ValueError`` naming ``where``) when its format is not
     accepted or its size passes the per-image bound. Decodes nothing."""
+    check_structure(raw, where)  # PIL's parsing loops stay bounded
     canvas = webp_canvas(raw)
     if canvas is not None:  # PIL's WebP decoder allocates the canvas when the file is opened
         check_image_pixels(*canvas, limits, where)

@@ -123,6 +123,50 @@ def test_an_animated_image_is_its_first_frame_and_its_other_frames_cost_nothing(
     assert image.decode().size == (64, 48) and image.decode().mode == "RGB"
 
 
+PARSER_BOMBS = [  # PIL would loop once per piece, in Python, before decoding a pixel
+    ("a PNG of 200,000 empty chunks", bombs.png_chunks(200_000), "chunks"),
+    ("a JPEG of 1,000,000 fill bytes", bombs.jpeg_fill(1_000_000), "fill bytes"),
+    ("a GIF of 200,000 comment blocks", bombs.gif_comments(200_000), "blocks"),
+]
+
+
+@pytest.mark.parametrize(
+    "raw, fragment", [c[1:] for c in PARSER_BOMBS], ids=[c[0] for c in PARSER_BOMBS]
+)
+def test_parser_bombs_are_refused_before_pil_parses_them(monkeypatch, raw, fragment):
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("PIL parsed a parser bomb"))
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: not a decodable") as info:
+        load(raw)
+    assert "(more than 16,384 " in str(info.value) and fragment in str(info.value)
+
+
+def rechunked_png(width: int, height: int, chunk: int) -> bytes:
+    """A noise PNG whose image data is cut into ``chunk``-byte IDAT chunks."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    raw = bombs.saved(Image.fromarray(pixels), "PNG")
+    ihdr_end, idat = 33, b""
+    pos = ihdr_end
+    while raw[pos + 4 : pos + 8] != b"IEND":
+        length = int.from_bytes(raw[pos : pos + 4], "big")
+        idat += raw[pos + 8 : pos + 8 + length] if raw[pos + 4 : pos + 8] == b"IDAT" else b""
+        pos += 12 + length
+    chunks = [bombs.png_chunk(b"IDAT", idat[i : i + chunk]) for i in range(0, len(idat), chunk)]
+    return raw[:ihdr_end] + b"".join(chunks) + bombs.png_chunk(b"IEND", b"")
+
+
+def test_real_images_are_far_inside_the_structure_bound():
+    png = rechunked_png(1000, 1000, 1024)  # 2,900 chunks: libpng writes 8 KB ones
+    assert load(png).decode().size == (1000, 1000)
+    from epdserve.engine.multimodal.structure import _png_turns
+
+    assert 2000 < _png_turns(png) < 16_384
+
+
 @pytest.fixture(scope="module")
 def frontend(models):
     from epdserve.engine.multimodal.frontend import FrontendMultimodal

@@ -157,6 +157,9 @@ def _image_bombs() -> list[Hostile]:
         ("a truncated PNG", broken, None, [b.truncated(b.small("PNG", (400, 300)))]),
         ("a truncated JPEG", broken, jpeg, [b.truncated(b.small("JPEG", (400, 300)))]),
         ("five 20 M-pixel PNGs (101 M in all)", request, None, [b.png_1bit(4500, 4500)] * 5),
+        ("a PNG of 100,000 empty chunks", broken, None, [b.png_chunks(100_000)]),
+        ("a JPEG of 500,000 fill bytes", broken, jpeg, [b.jpeg_fill(500_000)]),
+        ("a GIF of 100,000 comment blocks", broken, gif, [b.gif_comments(100_000)]),
     ]  # fmt: skip
     cases = []
     for name, message, mime, raws in rows:

@@ -32,7 +32,7 @@ def png_1bit(width: int, height: int) -> bytes:
     return saved(Image.new("1", (width, height)), "PNG", optimize=True)
 
 
-def _chunk(kind: bytes, data: bytes) -> bytes:
+def png_chunk(kind: bytes, data: bytes) -> bytes:
     crc = zlib.crc32(kind + data) & 0xFFFFFFFF
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
 
@@ -42,7 +42,10 @@ def png_header_only(width: int, height: int) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     idat = zlib.compress(b"\x00" * 64)
     return (
-        b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
+        b"\x89PNG\r\n\x1a\n"
+        + png_chunk(b"IHDR", ihdr)
+        + png_chunk(b"IDAT", idat)
+        + png_chunk(b"IEND", b"")
     )
 
 
@@ -83,3 +86,23 @@ def webp_canvas(width: int, height: int) -> bytes:
 
 def truncated(raw: bytes) -> bytes:
     return raw[: len(raw) // 2]
+
+
+# Parser bombs: pieces PIL parses one Python loop turn each, and nothing else.
+def png_chunks(count: int) -> bytes:
+    """A 48x32 PNG with ``count`` empty ancillary chunks after its header (12 bytes each)."""
+    raw = small("PNG")
+    return raw[:33] + png_chunk(b"teSt", b"") * count + raw[33:]
+
+
+def jpeg_fill(count: int) -> bytes:
+    """A 48x32 JPEG with ``count`` 0xFF fill bytes before its first marker segment."""
+    raw = small("JPEG")
+    return raw[:2] + b"\xff" * count + raw[2:]
+
+
+def gif_comments(count: int) -> bytes:
+    """A one-frame GIF with ``count`` one-byte comment extensions before the frame."""
+    raw = gif(48, 32, 1)
+    frame = raw.index(b"\x21\xf9")  # the frame's graphic control extension
+    return raw[:frame] + b"\x21\xfe\x01x\x00" * count + raw[frame:]
