@@ -11,6 +11,10 @@ from epdserve.operator.spec import PoolSpec
 
 REDIS_PORT = 6379
 DEFAULT_MAX_MEMORY = 1 << 30  # without a memory limit to derive it from
+# `requirepass "<$REDIS_PASSWORD, escaped>"` on stdout, for redis-server's config on stdin
+REQUIREPASS_CONFIG = (
+    'printf \'requirepass "%s"\\n\' "$(printf %s "$REDIS_PASSWORD" | sed \'s/[\\\\"]/\\\\&/g\')"'
+)
 LIMIT_SHARE = 0.8  # of the memory limit: room for Redis' buffers and fragmentation
 
 
@@ -51,11 +55,13 @@ def build_redis_deployment(pool: PoolSpec) -> dict:
         "image": pool.cache.redis_image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["sh", "-c"],
-        # The password stays out of the pod spec: the shell reads it from the env at start.
+        # The password stays out of the pod spec and of every process's argv: the shell reads
+        # it from the env and feeds `requirepass` to redis-server as a config file on stdin
+        # (quoted, `\` and `"` escaped; printf is a shell builtin).
         "args": [
-            'exec redis-server --port 6379 --save "" --appendonly no --dir /data '
-            f"--maxmemory {max_memory(pool)} --maxmemory-policy allkeys-lru "
-            '--requirepass "$REDIS_PASSWORD"'
+            f'{REQUIREPASS_CONFIG} | exec redis-server - --port 6379 --save "" '
+            f"--appendonly no --dir /data --maxmemory {max_memory(pool)} "
+            "--maxmemory-policy allkeys-lru"
         ],
         "env": [
             {
@@ -69,9 +75,8 @@ def build_redis_deployment(pool: PoolSpec) -> dict:
         "securityContext": meta.container_security_context(),
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
         "readinessProbe": {
-            "exec": {
-                "command": ["sh", "-c", 'redis-cli -a "$REDIS_PASSWORD" --no-auth-warning ping']
-            },
+            # redis-cli takes the password from REDISCLI_AUTH, not from its argv
+            "exec": {"command": ["sh", "-c", 'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli ping']},
             "periodSeconds": 5,
         },
     }
