@@ -9,8 +9,10 @@ In the same run, next to each:
     raw SET/GET figure (the server's limit, for the record);
   * shared storage: plain ``open().write()`` / ``read()`` of the same bytes to files.
 MB/s count tensor payload bytes (1 MB = 1e6 B). A redis-server is started on a free port.
+``--codec`` measures the stored-value codec alone instead (format v2 beside format v1's work
+and the bare checksums; see ``bench/connector_codec.py``).
 
-    .venv/bin/python bench/connector.py [--quick]
+    .venv/bin/python bench/connector.py [--quick] [--codec]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from epdserve.connectors.storage import (
 )
 
 GEOMETRIES = {  # name -> one block [layers, 2, block_size, kv_heads, head_dim] in bf16
+    "tiny-32KiB": (4, 2, 16, 2, 64),  # the codec only: per-value overhead dominates
     "small-128KiB": (8, 2, 16, 4, 64),
     "llama8b-2MiB": (32, 2, 16, 8, 128),
 }
@@ -190,8 +193,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32 MB per case instead of 256 MB")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--codec", action="store_true", help="the codec alone, no store")
     args = parser.parse_args()
     total_bytes = (32 if args.quick else 256) * 10**6
+    if args.codec:
+        from connector_codec import codec_figures
+
+        result = {"repeats": args.repeats, "total_MB_per_case": total_bytes // 10**6}
+        result.update(codec_figures(GEOMETRIES, total_bytes, args.repeats))
+        print(json.dumps(result, indent=1))
+        return
     torch.manual_seed(0)
     workdir = tempfile.mkdtemp(prefix="epd-bench-")
     proc, port = start_redis(workdir)
@@ -205,6 +216,8 @@ def main() -> None:
         result["redis_server"] = client.info("server")["redis_version"]
         url = f"redis://127.0.0.1:{port}/0"
         for name, shape in GEOMETRIES.items():
+            if name.startswith("tiny"):
+                continue
             block_bytes = torch.empty(shape, dtype=torch.bfloat16).nbytes
             n = max(BATCH, total_bytes // block_bytes)
             total = block_bytes * n

@@ -4,13 +4,14 @@ A value read from Redis or a shared volume may be anything: truncated, random, o
 The header's length is checked before any byte of it is parsed, its nesting is measured
 without recursion before ``json.loads`` sees it (a 10,000-deep array would otherwise raise
 ``RecursionError`` from inside the parser), and its shape must be exactly the one the format
-needs. Every refusal is a ``BadValue`` carrying a reason the caller counts.
+needs. Every refusal is a ``BadValue`` carrying a reason the caller counts. (A repeated name in
+an object keeps its last value, as in ``json``: only this parsed view is ever used, and every
+field of it that matters is checked.)
 """
 
 from __future__ import annotations
 
 import json
-import re
 import struct
 
 MAX_HEADER_BYTES = 16 * 1024  # ours are < 1.5 KiB (the longest key is about 800 characters)
@@ -21,7 +22,6 @@ NOT_SAFETENSORS = "not_safetensors"
 HEADER_TOO_LARGE = "header_too_large"
 TOO_DEEP = "too_deep"
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a JSON string literal
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 
@@ -50,7 +50,7 @@ def read_header(data: bytes | memoryview, name: str) -> tuple[dict[str, str], di
     if not nesting_within(raw, MAX_DEPTH):
         raise BadValue(TOO_DEEP)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        header = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError included
         raise BadValue(NOT_SAFETENSORS) from None
     if not isinstance(header, dict) or set(header) != {"__metadata__", name}:
@@ -65,9 +65,14 @@ def read_header(data: bytes | memoryview, name: str) -> tuple[dict[str, str], di
 
 def nesting_within(raw: bytes, limit: int) -> bool:
     """Whether the JSON text ``raw`` nests arrays/objects at most ``limit`` deep, measured
-    without recursion (brackets inside string literals do not count)."""
+    without recursion; brackets inside string literals do not count. Escaped backslashes and
+    quotes are dropped first (left to right, as a JSON lexer pairs them), so every remaining
+    quote opens or closes a string. Where the text is not JSON the count may differ from a
+    parser's, but only after the point where the parser stops with an error."""
+    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(plain.split(b'"')[::2])  # even pieces lie outside string literals
     depth = 0
-    for byte in _STRING.sub(b"", raw).translate(None, _NOT_BRACKET):
+    for byte in outside.translate(None, _NOT_BRACKET):
         if byte in b"[{":
             depth += 1
             if depth > limit:
@@ -75,11 +80,3 @@ def nesting_within(raw: bytes, limit: int) -> bool:
         else:
             depth -= 1
     return True
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object without repeated names (which readers could resolve differently)."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise ValueError("repeated name in a JSON object")
-    return obj

@@ -105,10 +105,6 @@ DAMAGE = {  # name -> (value from meta, the reason it must be refused for)
         lambda m: with_header(b'{"__metadata__":{},"kv":{"shape":[' + b"9" * 5000 + b"]}}"),
         "not_safetensors",
     ),
-    "a repeated name": (
-        lambda m: with_header(b'{"__metadata__":{},"__metadata__":{},"kv":{}}'),
-        "not_safetensors",
-    ),
     "an extra tensor": (
         lambda m: with_header(
             {
