@@ -1,8 +1,9 @@
 """The pixel budget: what an image costs once decoded, known from its header alone.
 
 ``Image.open`` parses only a header (format, size, mode); nothing is decoded until
-``load()``/``convert()``. Every image part is probed here first: its format, and its size
-against the per-image bound (a WebP canvas even before PIL's decoder allocates it). Once
+``load()``/``convert()``. Every image part is probed here first: its structure (a bounded
+walk, ``structure.py``), its format, and its size against the per-image bound (a WebP
+canvas even before PIL's decoder allocates it). Once
 every part of a request is probed, their total is checked against the per-request bound.
 Only then are images decoded, one at a time, each released before the next.
 
@@ -72,11 +73,15 @@ def probe(raw: bytes, limits: PixelLimits, where: str) -> ImageHeader:
     return header
 
 
-def check_image_pixels(width: int, height: int, limits: PixelLimits, where: str) -> None:
+def per_image_bound(limits: PixelLimits) -> int:
     from PIL import Image
 
     # PIL's own bomb threshold (its warning) stays a bound whatever the flag says
-    bound = min(limits.max_pixels, Image.MAX_IMAGE_PIXELS or limits.max_pixels)
+    return min(limits.max_pixels, Image.MAX_IMAGE_PIXELS or limits.max_pixels)
+
+
+def check_image_pixels(width: int, height: int, limits: PixelLimits, where: str) -> None:
+    bound = per_image_bound(limits)
     if width * height > bound:
         raise ValueError(
             f"{where}: image has {width}x{height} = {width * height:,} pixels "
@@ -136,7 +141,7 @@ def _open(raw: bytes, limits: PixelLimits, where: str):
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         # PIL's check ran on the header's size (the warning only when raised as an error)
         raise ValueError(
-            f"{where}: image has more than the {limits.max_pixels:,} pixels allowed per "
+            f"{where}: image has more than the {per_image_bound(limits):,} pixels allowed per "
             f"image (a decompression bomb by PIL's own limit)"
         ) from exc
     except Image.UnidentifiedImageError:
