@@ -29,6 +29,7 @@ class EngineConfig:
     seed: int = 0
     enable_kv_events: bool = False
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON
+    kv_events_curve_dir: str | None = None  # CurveZMQ keys of the event sockets (a directory)
     kv_transfer_config: str | None = None  # vLLM's --kv-transfer-config JSON
     role: str = "both"  # both | encoder | prefill | decode (DESIGN.md §2)
     ec_transfer_config: str | None = None  # --ec-transfer-config JSON (encoder outputs)
@@ -53,6 +54,10 @@ class EngineConfig:
 
             if KVEventsConfig.from_json(self.kv_events_config).active:
                 object.__setattr__(self, "enable_kv_events", True)
+        if self.kv_events_curve_dir:  # a missing or bad key file fails the start, named
+            from epdserve.connectors.kv_events import CurveServerKeys
+
+            CurveServerKeys.load(self.kv_events_curve_dir)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")
         if self.mm_processor_kwargs is not None:

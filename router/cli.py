@@ -34,6 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--target-port", type=int, default=8000, help="k8s discovery: the pods' HTTP port")
     a("--kv-events-port", type=int, default=5557, help="pods publish KV events on this port")
     a("--kv-replay-port", type=int, default=5558, help="pods' replay port (0: no replay)")
+    a(
+        "--kv-events-curve-dir",
+        default=os.environ.get("EPDSERVE_KV_EVENTS_CURVE_DIR") or None,
+        help="CurveZMQ keys for the pods' KV-event sockets: a directory with client.public, "
+        "client.secret and server.public (Z85); default: env EPDSERVE_KV_EVENTS_CURVE_DIR, "
+        "else no Curve",
+    )
+    a(
+        "--kv-events-max-message-bytes",
+        type=int,
+        default=int(os.environ.get("EPDSERVE_KV_EVENTS_MAX_MESSAGE_BYTES") or 8 << 20),
+        help="largest KV-event frame accepted from a pod; a larger one drops the connection "
+        "(default 8 MiB; env EPDSERVE_KV_EVENTS_MAX_MESSAGE_BYTES)",
+    )
     a("--index-capacity", type=int, default=1_000_000, help="max blocks in the prefix index")
     a("--prefix-weight", type=float, default=2.0, help="prefix+load: weight of the prefix")
     a("--load-weight", type=float, default=1.0, help="prefix+load: weight of queue depth")
@@ -128,6 +142,17 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--max-body-bytes must be >= 1")
     if args.failure_backoff < 0:
         raise ValueError("--failure-backoff must be >= 0")
+    if args.kv_events_max_message_bytes < 1024:
+        raise ValueError("--kv-events-max-message-bytes must be >= 1024")
+
+
+def event_options(args: argparse.Namespace):
+    """The pods' event sockets as the flags say; a bad key file is a ValueError naming it."""
+    from epdserve.connectors.kv_events import CurveClientKeys
+    from epdserve.router.subscriber import EventSocketOptions
+
+    curve = CurveClientKeys.load(args.kv_events_curve_dir) if args.kv_events_curve_dir else None
+    return EventSocketOptions(curve, args.kv_events_max_message_bytes)
 
 
 ROLE_LABEL = "epdserve.io/role"
@@ -147,6 +172,7 @@ def build(args: argparse.Namespace):
     from epdserve.router.tokenize import PromptTokenizer
 
     validate(args)
+    events = event_options(args)
     weights = {}
     if args.strategy == "prefix+load":
         weights = dict(
@@ -173,6 +199,7 @@ def build(args: argparse.Namespace):
             default_block_size=args.block_size,
             root_check=root_check,
             engine_role=role,
+            event_options=events,
         )
 
     router = new_router()

@@ -16,7 +16,7 @@ from epdserve.router.pending import PendingPrefixes
 from epdserve.router.pods import PodEndpoint, PodState
 from epdserve.router.seedcheck import RootHashCheck
 from epdserve.router.strategy import Candidate, Decision, Strategy
-from epdserve.router.subscriber import PodSubscriber
+from epdserve.router.subscriber import EventSocketOptions, PodSubscriber
 from epdserve.router.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,10 @@ class Router:
         default_block_size: int = 16,
         root_check: RootHashCheck | None = None,
         engine_role: str = "colocated",
+        event_options: EventSocketOptions | None = None,
     ) -> None:
         self.strategy, self.tokenizer = strategy, tokenizer
+        self._event_options = event_options  # Curve keys and size bound of event sockets
         self.engine_role = engine_role  # which of the pool's pods this router routes to
         self.served_model_name = served_model_name
         self.index = index or PrefixIndex()
@@ -134,6 +136,7 @@ class Router:
             self.metrics,
             self._zmq,
             root_check=self.root_check,
+            options=self._event_options,
         )
         with self._lock:
             old = self._subscribers.pop(endpoint.name, None)

@@ -1,9 +1,10 @@
 """Per-pod KV-event subscriber: SUB for live batches, replay on start and after a gap.
 
 Batches are applied to the :class:`PrefixIndex` strictly in seq order. A seq gap asks the
-pod's replay socket for what was lost; whatever the replay cannot return is counted as
-missed. A seq that goes backwards with a payload other than the one applied for it means the
-pod's publisher restarted: the pod's blocks are dropped and resynced from seq 0.
+pod's replay socket for what was lost (again and again while answers come: a pod caps each
+answer); whatever the replay cannot return is counted as missed. A seq that goes backwards
+with a payload other than the one applied for it means the pod's publisher restarted: the
+pod's blocks are dropped and resynced from seq 0.
 """
 
 from __future__ import annotations
@@ -11,22 +12,46 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from epdserve.connectors.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    CurveClientKeys,
     EventDecodeError,
     EventDecoder,
 )
+from epdserve.connectors.kv_events.sockets import DEFAULT_MAX_EVENT_BYTES
 from epdserve.router.index import IngestResult, PrefixIndex
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.seedcheck import RootHashCheck
 
 log = logging.getLogger(__name__)
 RECENT_SEQS = 4096  # payload fingerprints kept to tell replay duplicates from a restart
+MAX_REPLAY_ROUNDS = 1000  # capped answers asked for in a row before giving up on the rest
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+@dataclass(frozen=True)
+class EventSocketOptions:
+    """How the router's SUB and replay DEALER sockets talk to the pods."""
+
+    curve: CurveClientKeys | None = None  # Curve client keys (the pods are Curve servers)
+    max_message_bytes: int = DEFAULT_MAX_EVENT_BYTES  # larger frames: the pod is dropped
+
+    def apply(self, socket: zmq.Socket) -> None:
+        """Set on ``socket`` before it connects."""
+        socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        if self.curve is not None:
+            self.curve.apply(socket)
 
 
 class PodSubscriber:
@@ -42,8 +67,10 @@ class PodSubscriber:
         context: zmq.Context | None = None,
         replay_timeout: float = 2.0,
         root_check: RootHashCheck | None = None,
+        options: EventSocketOptions | None = None,
     ) -> None:
         self.pod = pod
+        self._options = options or EventSocketOptions()
         self._events, self._replay_endpoint = events_endpoint, replay_endpoint
         self._index, self._metrics = index, metrics
         self._root_check = root_check
@@ -56,6 +83,7 @@ class PodSubscriber:
         self.duplicates = 0
         self.batches_applied = 0
         self.missed = 0
+        self.handshake_failures = 0  # Curve refused (wrong keys) or one side without Curve
         self._thread = threading.Thread(target=self._run, name=f"kv-sub-{pod}", daemon=True)
 
     def start(self) -> None:
@@ -73,17 +101,39 @@ class PodSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        self._options.apply(sub)
+        monitor = sub.get_monitor_socket(HANDSHAKE_FAILED)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             sub.connect(self._events)
-            self._replay(0)
+            self._catch_up(0)
             while not self._stop.is_set():
-                if sub.poll(100):
+                ready = dict(poller.poll(100))
+                if monitor in ready:
+                    self._on_monitor(monitor)
+                if sub in ready:
                     self._on_live_guarded(sub.recv_multipart())
         except zmq.ZMQError:
             self._metrics.events_invalid.labels(self.pod).inc()
             log.exception("KV event subscriber for %s stopped", self.pod)
         finally:
+            sub.disable_monitor()
+            monitor.close()
             sub.close()
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        event = recv_monitor_message(monitor)
+        self.handshake_failures += 1
+        if self.handshake_failures == 1:  # the pod retries every reconnect: say it once
+            log.warning(
+                "pod %s: KV-event handshake failed (event %s, %s): do the router's and the "
+                "pod's --kv-events-curve-dir hold one pool's keys?",
+                self.pod,
+                event["event"],
+                event["endpoint"],
+            )
 
     def _on_live_guarded(self, frames: list[bytes]) -> None:
         try:
@@ -106,11 +156,11 @@ class PodSubscriber:
             self._index.clear_pod(self.pod)
             self._recent.clear()
             self.last_seq = None
-            self._replay(0)
+            self._catch_up(0, until=seq)
             if self.last_seq is not None and seq <= self.last_seq:
                 return
         elif last is not None and seq > last + 1:
-            self._replay(last + 1)
+            self._catch_up(last + 1, until=seq)
             if self.last_seq is not None and seq <= self.last_seq:
                 return
         self._accept(seq, frames[2])
@@ -155,12 +205,24 @@ class PodSubscriber:
         if result.roots and self._root_check is not None:
             self._root_check.observe(self.pod, result.roots)
 
-    def _replay(self, start: int) -> None:
-        """Ask the replay socket for every batch from ``start`` on and apply them."""
+    def _catch_up(self, start: int, until: int | None = None) -> None:
+        """Replay from ``start`` until an answer brings nothing new or ``until`` is reached
+        (a pod caps each answer, so one request may not bring everything)."""
+        for _ in range(MAX_REPLAY_ROUNDS):
+            before = self.last_seq
+            if self._replay(start) != "ok" or self.last_seq == before or self._stop.is_set():
+                return
+            if until is not None and self.last_seq >= until:
+                return
+            start = self.last_seq + 1
+
+    def _replay(self, start: int) -> str | None:
+        """Ask the replay socket for the batches from ``start`` on and apply them."""
         if not self._replay_endpoint:
-            return
+            return None
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        self._options.apply(dealer)
         try:
             dealer.connect(self._replay_endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")], flags=zmq.NOBLOCK)
@@ -170,6 +232,7 @@ class PodSubscriber:
         finally:
             dealer.close()
         self._metrics.replays.labels(self.pod, outcome).inc()
+        return outcome
 
     def _read_replay(self, dealer: zmq.Socket) -> str:
         while not self._stop.is_set():

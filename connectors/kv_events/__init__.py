@@ -3,7 +3,13 @@
 Torch-free: the router imports this package.
 """
 
-from epdserve.connectors.kv_events.config import KVEventsConfig, binds
+from epdserve.connectors.kv_events.config import KVEventsConfig, bind_address, binds
+from epdserve.connectors.kv_events.curve import (
+    CURVE_DIR_ENV,
+    CurveClientKeys,
+    CurveKeyError,
+    CurveServerKeys,
+)
 from epdserve.connectors.kv_events.publisher import (
     EventPublisher,
     NullEventPublisher,
@@ -27,11 +33,15 @@ from epdserve.connectors.kv_events.schema import (
 )
 
 __all__ = [
+    "CURVE_DIR_ENV",
     "DEVICE_MEDIUM",
     "STORE_MEDIUM",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "CurveClientKeys",
+    "CurveKeyError",
+    "CurveServerKeys",
     "EventBatch",
     "EventDecodeError",
     "EventDecoder",
@@ -42,6 +52,7 @@ __all__ = [
     "NullEventPublisher",
     "PublisherStats",
     "ZmqEventPublisher",
+    "bind_address",
     "binds",
     "create_publisher",
     "hash_to_int",

@@ -3,6 +3,9 @@
 The engine core calls ``publish(events)`` once per step with the block pool's drained
 event queue; encoding and socket I/O happen on a background thread, so a slow or absent
 subscriber never blocks the engine loop (a full queue drops the batch and counts it).
+Replays are answered by a second thread (:mod:`.replay`), bounded, in slices, so they never
+hold up live batches. Wildcard endpoints bind the pod IP when ``EPDSERVE_POD_IP`` is set;
+with Curve keys both sockets admit only the listed clients.
 """
 
 from __future__ import annotations
@@ -11,17 +14,20 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
-from epdserve.connectors.kv_events.config import KVEventsConfig, binds
+from epdserve.connectors.kv_events.config import KVEventsConfig, pod_ip_from_env
+from epdserve.connectors.kv_events.curve import CurveServer, CurveServerKeys
+from epdserve.connectors.kv_events.replay import END_SEQ, ReplayBuffer, ReplayServer
 from epdserve.connectors.kv_events.schema import EventBatch, EventEncoder, KVEvent, to_wire_event
+from epdserve.connectors.kv_events.sockets import MAX_REQUEST_BYTES, attach, pin_io_thread
 
 log = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
+__all__ = ["END_SEQ", "EventPublisher", "NullEventPublisher", "PublisherStats"]
 _STOP = object()
 
 
@@ -33,8 +39,14 @@ class PublisherStats:
     batches_dropped: int = 0
     replay_requests: int = 0
     replay_requests_invalid: int = 0
+    replay_requests_busy: int = 0  # the peer already has a replay in flight
+    replay_requests_refused: int = 0  # replay_max_in_flight peers were being served
+    replay_answers_capped: int = 0  # answers cut at replay_max_batches
+    replay_batches_sent: int = 0
+    replay_stalled: int = 0  # answers dropped: the peer read nothing for a while
     send_errors: int = 0
     batches_invalid: int = 0  # events that are not KV cache events
+    auth_denied: int = 0  # Curve handshakes refused (unlisted client key)
 
 
 class EventPublisher:
@@ -82,27 +94,61 @@ class ZmqEventPublisher(EventPublisher):
         max_queue_size: int = 100_000,
         data_parallel_rank: int = 0,
         context: zmq.Context | None = None,
+        replay_max_batches: int = 1_000,
+        replay_max_in_flight: int = 64,
+        pod_ip: str | None = None,
+        curve_keys: CurveServerKeys | None = None,
     ) -> None:
         self.stats = PublisherStats()
-        self._endpoint, self._replay_endpoint = endpoint, replay_endpoint
+        self._endpoint, self._pod_ip = endpoint, pod_ip
         self._topic = topic.encode()
         self._hwm, self._rank = hwm, data_parallel_rank
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer = ReplayBuffer(buffer_steps)
         self._encoder = EventEncoder()
-        self._context = context or zmq.Context.instance()
+        # our own context by default: two I/O threads (live and replay traffic apart) and a
+        # ZAP handler that serves only these sockets
+        self._owns_context = context is None
+        self._context = context or zmq.Context(io_threads=2)
+        self._curve = CurveServer(curve_keys, self._context, self.stats) if curve_keys else None
         self._ready, self._error = threading.Event(), None
         self._closed = False
         self._stop_now = False
-        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
-        self._thread.start()
-        self._ready.wait(10)
-        if self._error is not None:
-            self._thread.join(5)
-            raise self._error
+        self.address: str | None = None
+        self._replay: ReplayServer | None = None
+        try:
+            if replay_endpoint:
+                self._replay = ReplayServer(
+                    replay_endpoint,
+                    self._buffer,
+                    self._topic,
+                    self.stats,
+                    self._context,
+                    replay_max_batches,
+                    replay_max_in_flight,
+                    pod_ip,
+                    self._curve,
+                )
+            self._thread = threading.Thread(
+                target=self._run, name="kv-event-publisher", daemon=True
+            )
+            self._thread.start()
+            self._ready.wait(10)
+            if self._error is not None:
+                self._thread.join(5)
+                raise self._error
+        except BaseException:
+            self._release()
+            raise
 
     @classmethod
-    def from_config(cls, config: KVEventsConfig, data_parallel_rank: int = 0) -> ZmqEventPublisher:
+    def from_config(
+        cls,
+        config: KVEventsConfig,
+        data_parallel_rank: int = 0,
+        pod_ip: str | None = None,
+        curve_keys: CurveServerKeys | None = None,
+    ) -> ZmqEventPublisher:
         """Build from the parsed ``--kv-events-config``."""
         return cls(
             config.endpoint,
@@ -112,7 +158,15 @@ class ZmqEventPublisher(EventPublisher):
             config.hwm,
             config.max_queue_size,
             data_parallel_rank,
+            replay_max_batches=config.replay_max_batches,
+            replay_max_in_flight=config.replay_max_in_flight,
+            pod_ip=pod_ip,
+            curve_keys=curve_keys,
         )
+
+    @property
+    def replay_address(self) -> str | None:
+        return self._replay.address if self._replay else None
 
     def publish(self, events: list[KVEvent]) -> None:
         if not events or self._closed:
@@ -133,24 +187,36 @@ class ZmqEventPublisher(EventPublisher):
             self.stats.batches_dropped += self._queue.qsize()
             self._stop_now = True
         self._thread.join(timeout + 1)
+        self._release()
+
+    def _release(self) -> None:
+        if self._replay is not None:
+            self._replay.close()
+        if self._curve is not None:
+            self._curve.stop()
+        if self._owns_context:
+            self._context.term()
 
     # --- publisher thread ---------------------------------------------------------------
 
-    def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+    def _open(self) -> zmq.Socket:
         pub = self._context.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
         pub.setsockopt(zmq.LINGER, 1000)
-        _attach(pub, self._endpoint)
-        replay = None
-        if self._replay_endpoint:
-            replay = self._context.socket(zmq.ROUTER)
-            replay.setsockopt(zmq.LINGER, 0)
-            _attach(replay, self._replay_endpoint)
-        return pub, replay
+        pub.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # it reads only subscriptions
+        pin_io_thread(pub, self._context, 0)
+        if self._curve is not None:
+            self._curve.apply(pub)
+        try:
+            self.address = attach(pub, self._endpoint, self._pod_ip, "PUB")
+        except zmq.ZMQError:
+            pub.close(linger=0)
+            raise
+        return pub
 
     def _run(self) -> None:
         try:
-            pub, replay = self._open()
+            pub = self._open()
         except zmq.ZMQError as exc:
             self._error = ValueError(f"kv-events-config: cannot open endpoint: {exc}")
             self._ready.set()
@@ -159,8 +225,6 @@ class ZmqEventPublisher(EventPublisher):
         seq = 0
         try:
             while not self._stop_now:
-                if replay is not None:
-                    self._serve_replays(replay)
                 try:
                     item = self._queue.get(timeout=0.05)
                 except queue.Empty:
@@ -173,8 +237,6 @@ class ZmqEventPublisher(EventPublisher):
                     seq += 1
         finally:
             pub.close()
-            if replay is not None:
-                replay.close()
 
     def _encode(self, batch: EventBatch) -> bytes | None:
         try:
@@ -187,7 +249,7 @@ class ZmqEventPublisher(EventPublisher):
 
     def _send(self, pub: zmq.Socket, seq: int, payload: bytes) -> None:
         seq_bytes = seq.to_bytes(8, "big")
-        self._buffer.append((seq, payload))
+        self._buffer.append(seq, payload)
         try:
             pub.send_multipart((self._topic, seq_bytes, payload), copy=False)
             self.stats.batches_published += 1
@@ -195,31 +257,13 @@ class ZmqEventPublisher(EventPublisher):
             self.stats.send_errors += 1
             log.exception("KV event publish failed (seq %d)", seq)
 
-    def _serve_replays(self, replay: zmq.Socket) -> None:
-        while replay.poll(0):
-            frames = replay.recv_multipart()
-            self.stats.replay_requests += 1
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                self.stats.replay_requests_invalid += 1
-                continue
-            identity, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
-            for seq, payload in list(self._buffer):
-                if seq >= start:
-                    replay.send_multipart(
-                        (identity, b"", self._topic, seq.to_bytes(8, "big"), payload)
-                    )
-            replay.send_multipart((identity, b"", b"", END_SEQ, b""))
 
-
-def _attach(socket: zmq.Socket, endpoint: str) -> None:
-    if binds(endpoint):
-        socket.bind(endpoint)
-    else:
-        socket.connect(endpoint)
-
-
-def create_publisher(config: KVEventsConfig, data_parallel_rank: int = 0) -> EventPublisher:
-    """The publisher the config asks for (a no-op one when events are off)."""
+def create_publisher(
+    config: KVEventsConfig, data_parallel_rank: int = 0, curve_dir: str | Path | None = None
+) -> EventPublisher:
+    """The publisher the config asks for (a no-op one when events are off). Wildcard
+    endpoints bind ``EPDSERVE_POD_IP`` when it is set; ``curve_dir`` turns Curve on."""
     if not config.active:
         return NullEventPublisher()
-    return ZmqEventPublisher.from_config(config, data_parallel_rank)
+    keys = CurveServerKeys.load(curve_dir) if curve_dir else None
+    return ZmqEventPublisher.from_config(config, data_parallel_rank, pod_ip_from_env(), keys)

@@ -187,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     publisher = None
     if config.kv_events_config:
-        publisher = create_publisher(KVEventsConfig.from_json(config.kv_events_config))
+        publisher = create_publisher(
+            KVEventsConfig.from_json(config.kv_events_config),
+            curve_dir=config.kv_events_curve_dir,
+        )
     try:
         CoreLoop(core, input_sock, output_sock, publisher).run()
     finally:

@@ -86,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hash-seed", default=_env("hash_seed"))
     p.add_argument("--seed", type=int, default=int(_env("seed", 0)))
     p.add_argument("--kv-events-config", default=_env("kv_events_config"))
+    p.add_argument(
+        "--kv-events-curve-dir",
+        default=_env("kv_events_curve_dir"),
+        help="CurveZMQ keys for the KV-event sockets: a directory with server.public, "
+        "server.secret and client.public (Z85; the routers' keys, one per line)",
+    )
     p.add_argument("--kv-transfer-config", default=_env("kv_transfer_config"))
     p.add_argument("--ec-transfer-config", default=_env("ec_transfer_config"))
     p.add_argument(
@@ -187,6 +193,7 @@ def engine_config(args: argparse.Namespace):
         hash_seed=args.hash_seed,
         seed=args.seed,
         kv_events_config=args.kv_events_config or None,
+        kv_events_curve_dir=args.kv_events_curve_dir or None,
         kv_transfer_config=args.kv_transfer_config or None,
         role=args.role,
         ec_transfer_config=args.ec_transfer_config or None,
