@@ -2,8 +2,9 @@
 
 Each ``BlockStored`` is turned into router keys from its parent's key and its tokens
 (see :mod:`epdserve.router.keys`; a prompt's first block is rooted by its ``cache_salt``);
-the index remembers, per pod, engine hash -> key so ``BlockRemoved`` can evict and children
-can chain. Memory is bounded: at most
+a salted request's blocks come with their keys already (``router_keys``: the engine
+computed them, and sent neither tokens nor salt). The index remembers, per pod, engine
+hash -> key so ``BlockRemoved`` can evict and children can chain. Memory is bounded: at most
 ``capacity`` keys, least recently stored or matched first out.
 
 Two tiers, told apart by the events' ``medium``: ``local`` (the pod's own device or host
@@ -111,6 +112,9 @@ class PrefixIndex:
     def _store(
         self, owner: tuple[str, str], blocks: _PodBlocks, event: BlockStored, result: IngestResult
     ) -> None:
+        if event.router_keys is not None:
+            self._store_keyed(owner, blocks, event, result)
+            return
         extra = event.extra_keys
         if event.parent_block_hash is None:
             salt = first_block_salt(extra[0]) if extra else None
@@ -139,6 +143,17 @@ class PrefixIndex:
         result.stored += n
         if event.parent_block_hash is None and keys:
             result.roots.append((keys[0], event.block_hashes[0]))  # for the seed check
+
+    def _store_keyed(
+        self, owner: tuple[str, str], blocks: _PodBlocks, event: BlockStored, result: IngestResult
+    ) -> None:
+        """A salted request's blocks: the leading ones carry their key (no chaining needed)."""
+        n = min(len(event.router_keys), len(event.block_hashes))
+        blocks.block_size = event.block_size
+        for h, key in zip(event.block_hashes[:n], event.router_keys[:n], strict=True):
+            self._add(owner, blocks, h, key)
+        result.stored += n
+        result.skipped += len(event.block_hashes) - n
 
     def _parent(self, pod: str, blocks: _PodBlocks, engine_hash: int) -> list[int] | None:
         """The parent's key: a pod names a block by one engine hash in every tier."""

@@ -24,6 +24,7 @@ from epdserve.connectors.kv_connector.base import (
 )
 from epdserve.connectors.kv_connector.config import KVTransferConfig
 from epdserve.connectors.kv_events import STORE_MEDIUM, BlockRemoved, BlockStored, hash_to_int
+from epdserve.connectors.kv_events.keys import extend_keys
 from epdserve.connectors.storage import (
     AsyncBlockStore,
     BlockStore,
@@ -216,13 +217,14 @@ class StorageConnector(KVConnectorBase):
             return  # no tokens to name the blocks by; image blocks are not indexed anyway
         salt = getattr(request, "cache_salt", None)
         bs = self.layout.block_size
+        # a salted request's events name blocks by router key, never by tokens and salt
+        keys = extend_keys([], tokens, bs, end, None, salt) if salt else None
         for i in range(start, end):
             parent = request.block_hashes[i - 1] if i else None
-            extra = (salt,) if salt and i == 0 else None
             self._save_plans[request.block_hashes[i]] = (
-                parent,
-                list(tokens[i * bs : (i + 1) * bs]),
-                extra,
+                (parent, [], [keys[i]])
+                if keys is not None
+                else (parent, list(tokens[i * bs : (i + 1) * bs]), None)
             )
 
     def store_events(self, saved: list[tuple[bytes, bool]], missed: list[bytes]) -> list:
@@ -233,7 +235,7 @@ class StorageConnector(KVConnectorBase):
             plan = self._save_plans.pop(block_hash, None)
             if plan is None or not ok:
                 continue
-            parent, tokens, extra = plan
+            parent, tokens, router_keys = plan
             events.append(
                 BlockStored(
                     block_hashes=[hash_to_int(block_hash)],
@@ -243,7 +245,8 @@ class StorageConnector(KVConnectorBase):
                     lora_id=None,
                     medium=STORE_MEDIUM,
                     lora_name=None,
-                    extra_keys=[extra],
+                    extra_keys=None if router_keys is not None else [None],
+                    router_keys=router_keys,
                 )
             )
         events += [BlockRemoved([hash_to_int(h)], STORE_MEDIUM) for h in missed]

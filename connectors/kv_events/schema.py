@@ -30,6 +30,12 @@ class BlockStored(KVCacheEvent):
 
     ``token_ids`` is the concatenation of every block's tokens (``block_size`` per hash);
     ``parent_block_hash`` is the hash of the block before the first one (None at a root).
+
+    Blocks of a request with a ``cache_salt`` are sent without tokens and extra keys:
+    ``token_ids`` is empty, ``extra_keys`` absent, and ``router_keys`` (our extension; absent,
+    so byte-identical to vLLM, on every other event) holds the router's chained key of the
+    leading blocks that a router can index (see :mod:`.keys`; image blocks and the blocks after
+    them have none).
     """
 
     block_hashes: list[int]
@@ -43,6 +49,7 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    router_keys: list[int] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -116,6 +123,7 @@ class _LenientBlockStored(KVCacheEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    router_keys: list[int] | None = None
 
 
 class _LenientBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
@@ -176,6 +184,12 @@ class EventDecoder:
 def _check_stored(event: BlockStored) -> None:
     if event.block_size <= 0:
         raise EventDecodeError(f"BlockStored.block_size must be > 0, got {event.block_size}")
+    if event.router_keys is not None:  # a salted request's blocks: keys instead of tokens
+        if event.token_ids or len(event.router_keys) > len(event.block_hashes):
+            raise EventDecodeError(
+                "BlockStored.router_keys needs empty token_ids and at most one key per block"
+            )
+        return
     if len(event.token_ids) != len(event.block_hashes) * event.block_size:
         raise EventDecodeError(
             f"BlockStored.token_ids has {len(event.token_ids)} tokens for "
@@ -196,6 +210,7 @@ def _normalize(event: Any) -> KVEvent:
             lora_name=event.lora_name,
             extra_keys=event.extra_keys,
             group_idx=event.group_idx,
+            router_keys=getattr(event, "router_keys", None),
         )
     if isinstance(event, _LenientBlockRemoved | _LegacyBlockRemoved):
         return BlockRemoved(
@@ -218,25 +233,28 @@ class EventEncoder:
 def to_wire_event(event: Any) -> KVEvent:
     """Any engine-side event with vLLM's field names (e.g. dataclasses with ``bytes``
     hashes) as the wire struct: hashes as their low 64 bits, absent fields at vLLM's
-    values (``medium="GPU"``, ``kv_cache_spec_kind="full_attention"``)."""
+    values (``medium="GPU"``, ``kv_cache_spec_kind="full_attention"``). An event with
+    ``router_keys`` (a salted request's blocks) goes out without its tokens and extra keys."""
     if isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
         return event
     kind = type(event).__name__
     if kind == "BlockStored":
         parent = event.parent_block_hash
         n = len(event.block_hashes)
-        extra = getattr(event, "extra_keys", None)
+        salted = getattr(event, "router_keys", None) is not None
+        extra = None if salted else getattr(event, "extra_keys", None)
         return BlockStored(
             block_hashes=[hash_to_int(h) for h in event.block_hashes],
             parent_block_hash=None if parent is None else hash_to_int(parent),
-            token_ids=list(event.token_ids),
+            token_ids=[] if salted else list(event.token_ids),
             block_size=event.block_size,
             lora_id=getattr(event, "lora_id", None),
             medium=getattr(event, "medium", "GPU"),
             lora_name=getattr(event, "lora_name", None),
-            extra_keys=list(extra) if extra else [None] * n,
+            extra_keys=None if salted else (list(extra) if extra else [None] * n),
             group_idx=getattr(event, "group_idx", 0),
             kv_cache_spec_kind=getattr(event, "kv_cache_spec_kind", "full_attention"),
+            router_keys=_salted_keys(event),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(
@@ -247,3 +265,8 @@ def to_wire_event(event: Any) -> KVEvent:
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise TypeError(f"not a KV cache event: {kind}")
+
+
+def _salted_keys(event: Any) -> list[int] | None:
+    keys = getattr(event, "router_keys", None)
+    return None if keys is None else list(keys)

@@ -79,6 +79,8 @@ class BlockStored:
     block_size: int
     extra_keys: list = field(default_factory=list)
     group_idx: int = 0
+    # a salted request's blocks: the router's keys instead of tokens and extra keys
+    router_keys: list[int] | None = None
 
 
 @dataclass
@@ -189,17 +191,22 @@ class BlockPool:
         block_size: int,
         extra_keys: list | None = None,
         group_idx: int = 0,
+        router_keys: list[int] | None = None,
     ) -> None:
         """Name blocks ``num_cached..num_full-1`` of one group by their hashes and announce
         them (null blocks of a sliding window are skipped); ``extra_keys``, one entry per
-        block of that range, are the hash extra keys the events carry (None: none)."""
+        block of that range, are the hash extra keys the events carry (None: none).
+        ``router_keys`` (a salted request's; one per leading block of the range, maybe
+        fewer) make the event carry those keys instead of the tokens and extra keys."""
         if not self.enable_caching or num_full <= num_cached:
             return
-        new_hashes, new_extra = [], []
+        new_hashes, new_extra, new_keys = [], [], []
         for i in range(num_cached, num_full):
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
                 continue
+            if router_keys is not None and i - num_cached < len(router_keys):
+                new_keys.append(router_keys[i - num_cached])
             new_extra.append(extra_keys[i - num_cached] if extra_keys else None)
             block.block_hash = block_hashes[i]
             block.group_idx = group_idx
@@ -209,16 +216,12 @@ class BlockPool:
             new_hashes.append(block.block_hash)
         if self.enable_events and new_hashes:
             parent = block_hashes[num_cached - 1] if num_cached > 0 else None
-            self.events.append(
-                BlockStored(
-                    block_hashes=new_hashes,
-                    parent_block_hash=parent,
-                    token_ids=list(token_ids[num_cached * block_size : num_full * block_size]),
-                    block_size=block_size,
-                    extra_keys=new_extra,
-                    group_idx=group_idx,
-                )
-            )
+            if router_keys is not None:  # salted: neither tokens nor the salt leave the pod
+                event = BlockStored(new_hashes, parent, [], block_size, [], group_idx, new_keys)
+            else:
+                tokens = list(token_ids[num_cached * block_size : num_full * block_size])
+                event = BlockStored(new_hashes, parent, tokens, block_size, new_extra, group_idx)
+            self.events.append(event)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

@@ -7,6 +7,7 @@ cross this API as one list per group; ``get_block_ids`` is group 0's.
 
 from __future__ import annotations
 
+from epdserve.connectors.kv_events.keys import extend_keys
 from epdserve.engine.core.block_pool import BlockPool, KVCacheBlock
 from epdserve.engine.core.kv_cache_groups import (
     FullAttentionManager,
@@ -42,6 +43,7 @@ class KVCacheManager:
         self.sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
         self.req_blocks: dict[str, GroupBlocks] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        self.salted_keys: dict[str, list[int]] = {}  # request -> router keys of its blocks
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -142,6 +144,7 @@ class KVCacheManager:
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         if num_full > num_cached:
             extra_keys = request.block_extra_keys(num_cached, num_full)
+            router_keys = self._router_keys(request, num_cached, num_full)
             for g, group_blocks in enumerate(blocks):
                 self.pool.cache_full_blocks(
                     group_blocks,
@@ -152,8 +155,22 @@ class KVCacheManager:
                     self.block_size,
                     extra_keys,
                     group_idx=g,
+                    router_keys=router_keys,
                 )
             self.num_cached_blocks[request.request_id] = num_full
+
+    def _router_keys(self, request: Request, num_cached: int, num_full: int) -> list[int] | None:
+        """A salted request's router keys for blocks ``num_cached..num_full-1`` (its events
+        carry these instead of tokens and salt); None when unsalted. Image blocks and the
+        blocks after them get none: a router cannot name images."""
+        if not self.pool.enable_events or not request.cache_salt:
+            return None
+        end = num_full
+        if request.mm_spans:
+            end = min(end, min(start for start, _, _ in request.mm_spans) // self.block_size)
+        keys = self.salted_keys.setdefault(request.request_id, [])
+        extend_keys(keys, request.all_token_ids, self.block_size, end, None, request.cache_salt)
+        return keys[num_cached:end]
 
     def forget_uncomputed(self, request: Request, num_computed: int) -> None:
         """Un-name the request's blocks past its first ``num_computed`` tokens: a failed
@@ -174,6 +191,7 @@ class KVCacheManager:
     def detach(self, request: Request) -> GroupBlocks:
         """Take a request's blocks away from it, still referenced (a connector is using them)."""
         self.num_cached_blocks.pop(request.request_id, None)
+        self.salted_keys.pop(request.request_id, None)
         return self.req_blocks.pop(request.request_id, ())
 
     def release(self, blocks: GroupBlocks) -> None:

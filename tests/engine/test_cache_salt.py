@@ -108,22 +108,30 @@ def test_unsalted_prompts_still_share_blocks(sched):
 # --- KV events ---------------------------------------------------------------------------
 
 
-def test_the_first_block_stored_event_of_a_salted_prompt_carries_the_salt():
+def test_a_salted_prompts_events_carry_router_keys_instead_of_tokens_and_salt():
+    from epdserve.connectors.kv_events.keys import request_keys
+
     kv = KVCacheManager(20, BS, enable_caching=True, enable_events=True)
     sched = Scheduler(kv, 8, 64, 64)
     run_to_end(sched, request("a", salt="tenant-a"))
-    run_to_end(sched, request("p", tokens=[50 + t for t in TOKENS]))
-    stored = [e for e in kv.take_events() if isinstance(e, BlockStored)]
-    assert [e.extra_keys for e in stored] == [[("tenant-a",), None, None], [None, None, None]]
-    assert stored[0].parent_block_hash is None
+    plain = [50 + t for t in TOKENS]
+    run_to_end(sched, request("p", tokens=plain))
+    salted, unsalted = [e for e in kv.take_events() if isinstance(e, BlockStored)]
+    assert salted.token_ids == [] and salted.parent_block_hash is None
+    assert salted.router_keys == request_keys(TOKENS, BS, cache_salt="tenant-a")
+    assert unsalted.router_keys is None and unsalted.token_ids == plain[:12]
+    assert unsalted.extra_keys == [None, None, None]
 
 
-def test_on_the_wire_the_salt_is_the_last_entry_of_block_zero_extra_keys():
+def test_on_the_wire_a_salted_event_holds_neither_tokens_nor_the_salt():
     from epdserve.connectors.kv_events import EventBatch, EventDecoder, EventEncoder
     from epdserve.connectors.kv_events.schema import to_wire_event
 
     kv = KVCacheManager(20, BS, enable_caching=True, enable_events=True)
     run_to_end(Scheduler(kv, 8, 64, 64), request("a", salt="tenant-a"))
-    batch = EventBatch(0.0, [to_wire_event(e) for e in kv.take_events()], 0)
-    (event,) = EventDecoder().decode(EventEncoder().encode(batch)).events
-    assert event.extra_keys == [["tenant-a"], None, None]
+    payload = EventEncoder().encode(
+        EventBatch(0.0, [to_wire_event(e) for e in kv.take_events()], 0)
+    )
+    assert b"tenant-a" not in payload
+    (event,) = EventDecoder().decode(payload).events
+    assert event.token_ids == [] and event.extra_keys is None and len(event.router_keys) == 3
