@@ -149,6 +149,16 @@ class EngineMetrics:
             "Requests that ended in an error, by cause.",
             ["cause"],
         )
+        self.refused = c(
+            "epdserve:requests_refused",
+            "Requests refused at admission with 503 + Retry-After, by reason (queue_full).",
+            ["reason"],
+        )
+        self.refused.labels(**self.labels, reason="queue_full")  # exported from the start
+        self.admitted = g(
+            "epdserve:admitted_sequences",
+            "Sequences of accepted requests not yet answered (the admission bound's count).",
+        )
         by_source = c(
             "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ["source"]
         )
@@ -207,6 +217,9 @@ class EngineMetrics:
                 grew = n - then.get(kind, {}).get(reason, 0)
                 if grew > 0:
                     self.store_rejections.labels(**self.labels, kind=kind, reason=reason).inc(grew)
+
+    def on_refused(self, reason: str) -> None:
+        self.refused.labels(**self.labels, reason=reason).inc()
 
     def on_request_error(self, cause: str) -> None:
         self.request_errors.labels(**self.labels, cause=cause).inc()

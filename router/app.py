@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epdserve import __version__
+from epdserve.connectors.slow_clients import DEFAULT_BODY_TIMEOUT, BodyReadTimeout
 from epdserve.router.disagg import handle as disagg_handle
 from epdserve.router.guard import ApiKeyCheck, BodyLimit
 from epdserve.router.loadstats import scrape_forever
@@ -33,6 +34,18 @@ class ProxySettings:
     scrape_interval: float = 1.0
     max_body_bytes: int = 32 * 1024 * 1024  # image data URLs are big
     api_key: str | None = field(default=None, repr=False)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # a client's whole request body (408 past it)
+    max_upstream_connections: int | None = 4096  # to all pods together (503 + Retry-After)
+    max_keepalive_connections: int = 256  # idle upstream connections kept for reuse
+    max_pod_connections: int | None = 1024  # requests in flight to one pod (then it is busy)
+
+    def upstream_limits(self) -> httpx.Limits:
+        keepalive = self.max_keepalive_connections
+        if self.max_upstream_connections is not None:
+            keepalive = min(keepalive, self.max_upstream_connections)
+        return httpx.Limits(
+            max_connections=self.max_upstream_connections, max_keepalive_connections=keepalive
+        )
 
 
 def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=None) -> FastAPI:
@@ -44,8 +57,13 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        timeout = httpx.Timeout(settings.upstream_timeout, connect=settings.connect_timeout)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        # waiting for a free upstream connection is bounded like connecting: then 503
+        timeout = httpx.Timeout(
+            settings.upstream_timeout,
+            connect=settings.connect_timeout,
+            pool=settings.connect_timeout,
+        )
+        limits = settings.upstream_limits()
         app.state.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         if discovery is not None:
             discovery.start(router)
@@ -70,6 +88,11 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
 
     app = FastAPI(title="epdserve router", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=router.metrics)
+    app.add_middleware(  # outside BodyLimit, which reads every body through it
+        BodyReadTimeout,
+        timeout=settings.body_timeout,
+        on_timeout=router.metrics.client_errors.labels("body_timeout").inc,
+    )
     if settings.api_key:  # added last: checked first, before any body is read
         app.add_middleware(ApiKeyCheck, api_key=settings.api_key, metrics=router.metrics)
 
@@ -103,6 +126,7 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
                 request_headers(request.headers),
                 max(settings.max_attempts, 1),
                 settings.failure_backoff,
+                settings.max_pod_connections,
             )
         except ProxyError as exc:
             target.metrics.client_errors.labels(exc.reason).inc()

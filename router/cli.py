@@ -95,6 +95,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 (image data URLs are big)",
     )
     a(
+        "--limit-concurrency",
+        type=int,
+        default=4096,
+        help="open client connections plus requests in progress beyond which the router "
+        "answers 503 (room for 1,000 slow clients, which the read timeouts close)",
+    )
+    a("--timeout-keep-alive", type=float, default=5.0, help="s an idle client connection stays")
+    a(
+        "--header-read-timeout",
+        type=float,
+        default=10.0,
+        help="s a client has to send the request line and headers (408 and close)",
+    )
+    a(
+        "--body-read-timeout",
+        type=float,
+        default=60.0,
+        help="s a client has to send the whole request body (408 and close)",
+    )
+    a(
+        "--max-upstream-connections",
+        type=int,
+        default=4096,
+        help="connections to all pods together; a request that finds none free within "
+        "--connect-timeout gets 503 with Retry-After",
+    )
+    a(
+        "--max-pod-connections",
+        type=int,
+        default=1024,
+        help="requests in flight to one pod; a pod at this count is busy (others are "
+        "tried; all busy: 503 with Retry-After)",
+    )
+    a(
         "--api-key",
         default=os.environ.get("EPDSERVE_API_KEY") or None,
         help="require Authorization: Bearer KEY on every route but /health, /ready, "
@@ -142,6 +176,12 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--max-body-bytes must be >= 1")
     if args.failure_backoff < 0:
         raise ValueError("--failure-backoff must be >= 0")
+    for flag in ("limit_concurrency", "max_upstream_connections", "max_pod_connections"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("timeout_keep_alive", "header_read_timeout", "body_read_timeout"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
     if args.kv_events_max_message_bytes < 1024:
         raise ValueError("--kv-events-max-message-bytes must be >= 1024")
 
@@ -252,6 +292,9 @@ def build(args: argparse.Namespace):
         scrape_interval=args.scrape_interval,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,
+        body_timeout=args.body_read_timeout,
+        max_upstream_connections=args.max_upstream_connections,
+        max_pod_connections=args.max_pod_connections,
     )
     return build_app(router, settings, discovery, disagg)
 
@@ -260,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted."""
     import uvicorn
 
+    from epdserve.connectors.slow_clients import HTTPLimits
     from epdserve.router.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
@@ -276,5 +320,11 @@ def run(args: argparse.Namespace) -> int:
         log_config=None,  # uvicorn's loggers propagate to ours (text or json)
         access_log=args.access_log,
         timeout_graceful_shutdown=5,
+        **HTTPLimits(  # concurrency limit, keep-alive, header deadline (body: in the app)
+            limit_concurrency=args.limit_concurrency,
+            timeout_keep_alive=args.timeout_keep_alive,
+            header_timeout=args.header_read_timeout,
+            body_timeout=args.body_read_timeout,
+        ).uvicorn_options(),
     )
     return 0

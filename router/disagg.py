@@ -17,6 +17,11 @@ to the decode pod, which then computes the prompt (or encodes the images) itself
 other answer of any leg (4xx, 500, ...) and any failure after a pod accepted the request
 go back to the client unchanged, so a request that breaks one pod never reaches another.
 A prefill answer without ``kv_transfer_params`` also sends the request on without them.
+
+Busy pods (503 + Retry-After, see ``proxy``) are skipped within a leg. When every prefill
+(or decode) pod left is busy the client gets 503 + Retry-After: the pool is full, and
+handing the prompt to a decode pod would only move the overload onto running streams. A
+busy encoder is skipped as a failed one is (the prefill/decode pods encode the images).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from epdserve.router.proxy import (
     pod_failure_cause,
     read_all,
     relay,
+    retry_after,
 )
 from epdserve.router.service import Router
 
@@ -123,6 +129,9 @@ async def encode_images(
         resp = await client.post(
             pod.endpoint.url + path, json={**body, "stream": False}, headers=headers
         )
+    except httpx.PoolTimeout:  # the router's connections are all in use: skip this step
+        encoder.metrics.upstream_errors.labels(pod.name, "router_connections_full").inc()
+        return None
     except httpx.HTTPError as exc:
         cause = pod_failure_cause(exc)
         encoder.metrics.upstream_errors.labels(pod.name, cause or type(exc).__name__).inc()
@@ -135,8 +144,13 @@ async def encode_images(
     finally:
         encoder.track_inflight(pod, -1)
     if resp.status_code == 503:
-        encoder.metrics.upstream_errors.labels(pod.name, "http_503").inc()
-        pod.mark_failed(settings.failure_backoff)
+        wait = retry_after(resp.headers)
+        cause = "busy" if wait is not None else "http_503"
+        encoder.metrics.upstream_errors.labels(pod.name, cause).inc()
+        if wait is not None:
+            pod.mark_busy(wait)
+        else:
+            pod.mark_failed(settings.failure_backoff)
         return None
     pod.mark_ok()
     if resp.status_code >= 300:
@@ -159,6 +173,7 @@ async def _open(client, router: Router, settings, path: str, body: dict, headers
         headers,
         max(settings.max_attempts, 1),
         settings.failure_backoff,
+        settings.max_pod_connections,
     )
 
 
@@ -169,7 +184,10 @@ async def run_prefill(
     try:
         upstream = await _open(client, routers.prefill, settings, path, prefill_body(body), headers)
         raw = await read_all(routers.prefill, upstream)
-    except NoPodAvailable:
+    except NoPodAvailable as exc:
+        if exc.retry_after is not None:  # the pool is full, not broken: the client waits
+            routers.prefill.metrics.client_errors.labels(exc.reason).inc()
+            return None, exc.response()
         routers.prefill.metrics.client_errors.labels("prefill_unavailable").inc()
         return None, None
     except UpstreamFailed as exc:

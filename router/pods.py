@@ -92,6 +92,11 @@ class PodState:
         self.consecutive_failures += 1
         self.down_until = time.monotonic() + backoff * min(8, self.consecutive_failures)
 
+    def mark_busy(self, seconds: float) -> None:
+        """The pod said it is busy (503 + Retry-After): others first for ``seconds``; not a
+        failure, so its failure backoff does not grow."""
+        self.down_until = max(self.down_until, time.monotonic() + seconds)
+
     def mark_ok(self) -> None:
         """The pod answered: back in rotation."""
         self.consecutive_failures = 0

@@ -1,9 +1,13 @@
-"""Forwarding one request to the ranked pods: retry only pod failures, then stream.
+"""Forwarding one request to the ranked pods: retry only pod refusals, then stream.
 
 A *pod failure* is the pod refusing a request before accepting it: the connection is
 refused or times out, it is closed or reset before the response headers, or the pod
-answers 503 (engine pods say 503 only up front: not ready, core already dead). Only those
-move the request on to the next ranked pod and count against the pod's failure backoff.
+answers 503 (engine pods say 503 only up front: not ready, core already dead). Those move
+the request on to the next ranked pod (``max_attempts`` in all) and count against the
+pod's failure backoff. A *busy* pod (503 with ``Retry-After``: its admission bound is
+reached; or this router already holds ``max_pod_connections`` requests on it) is skipped
+without counting as a failure: it is tried again after its Retry-After, and when every
+ranked pod is busy the client gets 503 with the shortest Retry-After.
 Any other answer (4xx, 500, ...) goes to the client unchanged, and an error after the
 request was accepted (a read timeout, a reset after the headers) is never retried: the
 request itself may be what broke the pod, and it must not take the next pod down too.
@@ -12,6 +16,7 @@ request itself may be what broke the pod, and it must not take the next pod down
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -24,6 +29,8 @@ from epdserve.router.service import Router, Routing
 log = logging.getLogger(__name__)
 
 REFUSED_STATUS = 503
+BUSY_RETRY_AFTER = 1.0  # s: a pod this router fills, or the router's own full pool
+MAX_BUSY_WAIT = 30.0  # s: a Retry-After keeps a pod out of rotation at most this long
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -70,11 +77,24 @@ class ProxyError(Exception):
 
 
 class NoPodAvailable(ProxyError):
-    """Every candidate pod refused the request (or there were none)."""
+    """Every candidate pod refused the request (or there were none). ``retry_after``: the
+    shortest a busy one asked for (None: none was busy, only failed)."""
 
     status = 503
     kind = "ServiceUnavailableError"
     reason = "no_pod"
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        if retry_after is not None:
+            self.reason = "all_busy"
+
+    def response(self) -> JSONResponse:
+        if self.retry_after is None:
+            return super().response()
+        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+        return openai_error(self.status, str(self), self.kind, headers)
 
 
 class UpstreamFailed(ProxyError):
@@ -92,6 +112,24 @@ class PodFailure(Exception):
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(f"{cause}: {detail}")
         self.cause = cause
+
+
+class PodBusy(PodFailure):
+    """The pod cannot take the request now; try it again after ``retry_after`` seconds."""
+
+    def __init__(self, cause: str, retry_after: float) -> None:
+        super().__init__(cause, f"retry after {retry_after}s")
+        self.retry_after = retry_after
+
+
+def retry_after(headers) -> float | None:
+    """A 503's ``Retry-After`` in seconds (delta-seconds form only), or None."""
+    value = headers.get("retry-after")
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return min(max(seconds, 0.0), MAX_BUSY_WAIT) if seconds is not None else None
 
 
 def pod_failure_cause(exc: httpx.HTTPError) -> str | None:
@@ -122,18 +160,40 @@ async def open_upstream(
     headers: dict[str, str],
     max_attempts: int,
     failure_backoff: float,
+    max_pod_connections: int | None = None,
 ) -> Upstream:
-    """Try the ranked pods in order until one accepts the request; raises a ProxyError."""
-    candidates = [router.pod(d.pod) for d in routing.order[:max_attempts]]
+    """Try the ranked pods in order until one accepts the request: at most ``max_attempts``
+    failing ones, any number of busy ones. Raises a ProxyError."""
+    candidates = [router.pod(d.pod) for d in routing.order]
     candidates = [pod for pod in candidates if pod is not None]
+    failures, busy_wait, moved_on = 0, None, None
     for attempt, pod in enumerate(candidates):
+        if failures >= max_attempts:
+            break
+        if moved_on is not None:
+            router.metrics.upstream_retries.labels(moved_on).inc()
+        if max_pod_connections is not None and pod.inflight >= max_pod_connections:
+            busy = PodBusy("pod_connections_full", BUSY_RETRY_AFTER)
+            busy_wait, moved_on = _count_busy(router, pod, busy, busy_wait), busy.cause
+            continue
         router.track_inflight(pod, +1)
         try:
             upstream = await _try_pod(client, pod, method, path, content, headers)
+        except PodBusy as busy:
+            router.track_inflight(pod, -1)
+            busy_wait, moved_on = _count_busy(router, pod, busy, busy_wait), busy.cause
+            continue
         except PodFailure as failure:
             router.track_inflight(pod, -1)
-            _count_pod_failure(router, pod, failure, failure_backoff, attempt + 1 < len(candidates))
+            _count_pod_failure(router, pod, failure, failure_backoff)
+            failures, moved_on = failures + 1, failure.cause
             continue
+        except httpx.PoolTimeout as exc:  # the router's own connection cap, not the pod
+            router.track_inflight(pod, -1)
+            router.metrics.upstream_errors.labels(pod.name, "router_connections_full").inc()
+            raise NoPodAvailable(
+                "the router holds its maximum of upstream connections", BUSY_RETRY_AFTER
+            ) from exc
         except httpx.HTTPError as exc:
             router.track_inflight(pod, -1)
             kind = type(exc).__name__
@@ -148,15 +208,23 @@ async def open_upstream(
         pod.mark_ok()  # it answered, whatever the status: the pod is up
         router.record(routing, pod.name, attempt)
         return upstream
+    if busy_wait is not None:
+        raise NoPodAvailable("every pod is busy; retry later", busy_wait)
     raise NoPodAvailable("no pod could serve the request")
 
 
-def _count_pod_failure(router, pod, failure: PodFailure, backoff: float, retried: bool) -> None:
+def _count_pod_failure(router, pod, failure: PodFailure, backoff: float) -> None:
     router.metrics.upstream_errors.labels(pod.name, failure.cause).inc()
-    if retried:
-        router.metrics.upstream_retries.labels(failure.cause).inc()
     log.warning("pod %s refused a request (%s)", pod.name, failure)
     pod.mark_failed(backoff)
+
+
+def _count_busy(router, pod, busy: PodBusy, shortest: float | None) -> float:
+    """Note a busy pod; returns the shortest Retry-After seen so far."""
+    router.metrics.upstream_errors.labels(pod.name, busy.cause).inc()
+    log.debug("pod %s is busy (%s)", pod.name, busy)
+    pod.mark_busy(busy.retry_after)
+    return busy.retry_after if shortest is None else min(shortest, busy.retry_after)
 
 
 async def _try_pod(client, pod: PodState, method, path, content, headers) -> Upstream:
@@ -172,6 +240,9 @@ async def _try_pod(client, pod: PodState, method, path, content, headers) -> Ups
         raise PodFailure(cause, str(exc) or type(exc).__name__) from exc
     try:
         if response.status_code == REFUSED_STATUS:
+            wait = retry_after(response.headers)
+            if wait is not None:
+                raise PodBusy("busy", wait)
             raise PodFailure("http_503", "the pod is not accepting requests")
         chunks = response.aiter_raw()
         first = await anext(chunks, b"")

@@ -148,6 +148,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds an image fetch may take",
     )
     p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=_int_env("max_queued_requests"),
+        help="sequences (n per prompt) that may wait beyond the --max-num-seqs running; "
+        "past that a request gets 503 with Retry-After and the router tries another pod. "
+        "Default 4 x --max-num-seqs: a full queue drains in about four generations of a "
+        "full batch, so waiting stays bounded while a burst still queues",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=_int_env("limit_concurrency"),
+        help="open connections plus requests in progress beyond which uvicorn answers 503 "
+        "(default: 4096, or twice the admission bound if larger; room for 1,000 slow "
+        "clients, which the read timeouts close)",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=float(_env("timeout_keep_alive", 5)),
+        help="seconds an idle keep-alive connection stays open",
+    )
+    p.add_argument(
+        "--header-read-timeout",
+        type=float,
+        default=float(_env("header_read_timeout", 10)),
+        help="seconds a client has to send the request line and headers (408 and close)",
+    )
+    p.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=float(_env("body_read_timeout", 60)),
+        help="seconds a client has to send the whole request body (408 and close)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=float(_env("drain_timeout", 30)),
@@ -237,6 +272,31 @@ def request_limits(args: argparse.Namespace):
     return limits, images
 
 
+def http_limits(args: argparse.Namespace, config):
+    """Admission bound and the HTTP server's limits from the flags: ``(queued, HTTPLimits)``."""
+    from epdserve.connectors.slow_clients import (
+        DEFAULT_LIMIT_CONCURRENCY,
+        HTTPLimits,
+    )
+    from epdserve.engine.entrypoints.openai.admission import default_max_queued
+
+    queued = args.max_queued_requests
+    if queued is None:
+        queued = default_max_queued(config.max_num_seqs)
+    if queued < 0:
+        raise ValueError(f"max_queued_requests: must be non-negative, got {queued}")
+    concurrency = args.limit_concurrency
+    if concurrency is None:
+        concurrency = max(DEFAULT_LIMIT_CONCURRENCY, 2 * (config.max_num_seqs + queued))
+    limits = HTTPLimits(
+        limit_concurrency=concurrency,
+        timeout_keep_alive=args.timeout_keep_alive,
+        header_timeout=args.header_read_timeout,
+        body_timeout=args.body_read_timeout,
+    )
+    return queued, limits
+
+
 def _json_flag(text: str | None, name: str):
     if not text:
         return None
@@ -262,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from epdserve.engine.model_source import resolve_model
 
-        engine_config(args)  # flags first: a bad one is named before any download
+        http_limits(args, engine_config(args))  # flags first: named before any download
         limits, image_limits = request_limits(args)
         if args.drain_timeout < 0:
             raise ValueError("drain_timeout: must be non-negative")
@@ -270,10 +330,11 @@ def run(args: argparse.Namespace) -> int:
         args.served_model_name = args.served_model_name or args.model
         args.model = resolve_model(args.model, args.revision)
         config = engine_config(args)
+        queued, http = http_limits(args, config)
     except ValueError as exc:
         raise SystemExit(f"epdserve serve: {exc}") from exc
     name = args.served_model_name or args.model
-    state = ServerState(config, name, args.api_key, limits, image_limits)
+    state = ServerState(config, name, args.api_key, limits, image_limits, queued, http)
     serve(
         build_app(state),
         state,

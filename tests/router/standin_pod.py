@@ -98,7 +98,10 @@ def build(args) -> FastAPI:
         state["requests"] += 1
         await asyncio.sleep(args.hang_s)  # a request that wedges the pod
         if args.fail_status:
-            return JSONResponse({"error": "stand-in told to fail"}, status_code=args.fail_status)
+            extra = {"Retry-After": args.retry_after} if args.retry_after else None
+            return JSONResponse(
+                {"error": "stand-in told to fail"}, status_code=args.fail_status, headers=extra
+            )
         try:  # like the engine: malformed or mistyped bodies get a 400
             body = json.loads(await request.body())
             ids = prompt_ids(path, body)
@@ -210,6 +213,7 @@ def main() -> None:
     p.add_argument("--token-s", type=float, default=0.01)
     p.add_argument("--fail-status", type=int, default=0)
     p.add_argument("--hang-s", type=float, default=0.0)
+    p.add_argument("--retry-after", default="", help="Retry-After on --fail-status answers")
     args = p.parse_args()
     time.sleep(0)
     uvicorn.run(build(args), host="127.0.0.1", port=args.port, log_level="warning")

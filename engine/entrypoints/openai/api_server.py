@@ -9,13 +9,21 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from epdserve import __version__
+from epdserve.connectors.slow_clients import BodyReadTimeout, HTTPLimits
 from epdserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.entrypoints.openai import responses
+from epdserve.engine.entrypoints.openai.admission import Admission, default_max_queued
+from epdserve.engine.entrypoints.openai.delivery import (
+    AdmittedStream,
+    Once,
+    guard_stream,
+    until_disconnect,
+)
 from epdserve.engine.entrypoints.openai.errors import (
     APIError,
     error_response,
@@ -30,7 +38,7 @@ from epdserve.engine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from epdserve.engine.entrypoints.openai.serving import OpenAIServing, new_request_id
+from epdserve.engine.entrypoints.openai.serving import OpenAIServing
 from epdserve.engine.metrics import EngineMetrics
 from epdserve.engine.multimodal.frontend import FrontendMultimodal, is_multimodal
 from epdserve.engine.multimodal.images import ImageLimits
@@ -46,11 +54,18 @@ class ServerState:
         api_key: str | None,
         limits: RequestLimits | None = None,
         image_limits: ImageLimits | None = None,
+        max_queued_requests: int | None = None,
+        http: HTTPLimits | None = None,
     ):
         self.config = config
         self.model_name = served_model_name
         self.api_key = api_key
         self.metrics = EngineMetrics(served_model_name)
+        queued = max_queued_requests
+        if queued is None:
+            queued = default_max_queued(config.max_num_seqs)
+        self.admission = Admission(config.max_num_seqs, queued, self.metrics)
+        self.http = http or HTTPLimits()
         self.engine = AsyncLLM(config, self.metrics)
         limits = limits or RequestLimits()
         self.serving = OpenAIServing(self.engine, served_model_name, limits)
@@ -109,7 +124,7 @@ def build_app(state: ServerState) -> FastAPI:
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError):
@@ -142,9 +157,12 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 
 def _install_middleware(app: FastAPI, state: ServerState) -> None:
+    # the last one added runs first: the key (headers only), then the body's deadline,
+    # then its size while it is read
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.serving.limits.max_body_bytes)
+    app.add_middleware(BodyReadTimeout, timeout=state.http.body_timeout)
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.serving.limits.max_body_bytes)
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
@@ -200,25 +218,26 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         return await _respond(raw, prep, req)
 
     async def _respond(raw: Request, prep, req):
-        base = raw.headers.get("x-request-id")
-        if base is not None:  # the client names the request (logs, fault injection in tests)
-            _check_request_id(base)
-            prep.request_id = new_request_id(prep.kind, base)
-            if prep.request_id in state.engine.states or f"{prep.request_id}-p0" in (
-                state.engine.states
-            ):
-                raise APIError(
-                    400, "X-Request-Id: a request with this id is in flight", "X-Request-Id"
-                )
+        label = raw.headers.get("x-request-id")
+        if label is not None:  # a label only (logs, the echo); the engine's id is our own
+            _check_request_id(label)
+            prep.label = label
+        headers = {"X-Request-Id": label or prep.request_id}
         echo = bool(getattr(req, "echo", False))
-        if req.stream:
-            options = req.stream_options
-            include_usage = bool(options and options.include_usage)
-            continuous = include_usage and options.continuous_usage_stats
-            body = responses.stream_response(serving, prep, echo, include_usage, continuous)
-            return StreamingResponse(_guard_stream(body), media_type="text/event-stream")
-        return JSONResponse(
-            await _until_disconnect(raw, responses.full_response(serving, prep, echo))
+        state.admission.admit(prep.num_seqs)  # or 503 + Retry-After: the router tries another
+        release = Once(state.admission.release, prep.num_seqs)
+        if not req.stream:
+            try:
+                work = responses.full_response(serving, prep, echo)
+                return JSONResponse(await until_disconnect(raw, work), headers=headers)
+            finally:
+                release()
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
+        body = responses.stream_response(serving, prep, echo, include_usage, continuous)
+        return AdmittedStream(
+            guard_stream(body), release, media_type="text/event-stream", headers=headers
         )
 
     @app.post("/tokenize")
@@ -267,42 +286,3 @@ def _check_request_id(value: str) -> None:
         raise APIError(
             400, "X-Request-Id: must be 1-128 printable characters without spaces", "X-Request-Id"
         )
-
-
-async def _guard_stream(body):
-    """Errors after the first byte cannot change the status: end the stream with an error event."""
-    from epdserve.engine.entrypoints.openai.errors import error_body
-    from epdserve.engine.entrypoints.openai.serving import sse
-
-    try:
-        async for chunk in body:
-            yield chunk
-    except EngineDeadError as exc:
-        yield sse(error_body(503, f"engine unavailable: {exc}"))
-        yield b"data: [DONE]\n\n"
-    except RequestFailedError as exc:
-        yield sse(error_body(exc.status, str(exc)))
-        yield b"data: [DONE]\n\n"
-    except APIError as exc:
-        yield sse(error_body(exc.status, exc.message, exc.param))
-        yield b"data: [DONE]\n\n"
-    except Exception as exc:  # the stream ends with an error event, never a cut connection
-        log.exception("stream failed")
-        yield sse(error_body(500, f"internal error ({type(exc).__name__})"))
-        yield b"data: [DONE]\n\n"
-
-
-async def _until_disconnect(raw: Request, work):
-    """Run a non-streaming request, cancelling it (and aborting in the core) on disconnect."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()

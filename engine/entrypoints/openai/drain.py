@@ -64,6 +64,7 @@ def serve(app, state, *, host: str, port: int, log_level: str, access_log: bool,
         log_config=None,  # uvicorn's loggers go through ours (same format)
         access_log=access_log,
         timeout_graceful_shutdown=drain_timeout,
+        **state.http.uvicorn_options(),  # concurrency limit, keep-alive, header deadline
     )
     server = DrainingServer(config, state)
     server.run()

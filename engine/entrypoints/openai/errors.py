@@ -10,6 +10,7 @@ TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    408: "RequestTimeout",
     413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -17,9 +18,16 @@ TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.headers = headers  # e.g. Retry-After on a 503 "busy"
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -33,8 +41,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def from_value_error(exc: ValueError) -> APIError:

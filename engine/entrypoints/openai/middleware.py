@@ -11,7 +11,9 @@ PROTECTED = ("/v1", "/tokenize", "/detokenize")  # probes, /metrics and /version
 
 
 class APIKeyMiddleware:
-    """The API routes need ``Authorization: Bearer <key>`` (constant-time compare)."""
+    """The API routes need ``Authorization: Bearer <key>`` (constant-time compare). It is
+    the outermost middleware and reads headers only: a client without the key never makes
+    the pod read a byte of its body (the 401 closes the connection)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -22,34 +24,39 @@ class APIKeyMiddleware:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             token = header[7:] if header[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
-                response = error_response(401, "Unauthorized: missing or invalid API key")
+                response = error_response(
+                    401, "Unauthorized: missing or invalid API key", headers={"connection": "close"}
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over ``max_bytes``: at once from Content-Length; a body without one
-    (chunked) is read here first, and refused as soon as it passes the limit, so an
-    endless body is never buffered past it."""
+    """413 for bodies over ``max_bytes``: at once from Content-Length, else as soon as the
+    body read so far passes the limit, so an endless body is never buffered past it. Every
+    body is read here, so a read deadline (``BodyReadTimeout``, outside this) ends the
+    request with its own 408, not as a parse error of the app."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
 
     def _too_large(self):
-        return error_response(413, f"request body is larger than {self.max_bytes} bytes", "body")
+        return error_response(
+            413,
+            f"request body is larger than {self.max_bytes} bytes",
+            "body",
+            headers={"connection": "close"},  # the rest of the body is never read
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None:
-            if not length.isdigit() or int(length) > self.max_bytes:
-                await self._too_large()(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._too_large()(scope, receive, send)
             return
         chunks, size = [], 0
         while True:

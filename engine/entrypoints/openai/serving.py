@@ -38,12 +38,19 @@ class Prepared:
         self.cache_salt: str | None = None  # tenant isolation (vLLM's cache_salt)
         self.echo_text = ""  # chat: the assistant's last message, when it is continued
         self.request_id = new_request_id(kind)
+        self.label: str | None = None  # the client's X-Request-Id: logs and the echo only
         self.created = int(time.time())
 
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request puts in the engine (n per prompt)."""
+        return len(self.prompts) * self.params.n
 
-def new_request_id(kind: str, base: str | None = None) -> str:
-    """``cmpl-…``/``chatcmpl-…`` from the client's X-Request-Id, else random."""
-    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{base or uuid.uuid4().hex[:16]}"
+
+def new_request_id(kind: str) -> str:
+    """``cmpl-…``/``chatcmpl-…``: always the server's own and unique (128 random bits),
+    never derived from the client's X-Request-Id, which is only a label."""
+    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
 
 
 class OpenAIServing:
@@ -234,6 +241,7 @@ class OpenAIServing:
                 prep.kv_transfer_params,
                 prep.mm_features,
                 prep.cache_salt,
+                prep.label,
             ):
                 yield 0, out
             return
@@ -247,6 +255,7 @@ class OpenAIServing:
                     f"{prep.request_id}-p{i}",
                     prep.kv_transfer_params,
                     cache_salt=prep.cache_salt,
+                    label=prep.label,
                 ):
                     await queue.put((i, out))
             except Exception as exc:  # surfaced to the consumer below
