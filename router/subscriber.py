@@ -9,8 +9,10 @@ pod's blocks are dropped and resynced from seq 0.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -33,6 +35,7 @@ from epdserve.router.seedcheck import RootHashCheck
 log = logging.getLogger(__name__)
 RECENT_SEQS = 4096  # payload fingerprints kept to tell replay duplicates from a restart
 MAX_REPLAY_ROUNDS = 1000  # capped answers asked for in a row before giving up on the rest
+RECONNECT_INTERVAL = 1.0  # s between our own reconnects after a dropped connection
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -84,6 +87,9 @@ class PodSubscriber:
         self.batches_applied = 0
         self.missed = 0
         self.handshake_failures = 0  # Curve refused (wrong keys) or one side without Curve
+        self.reconnects = 0
+        self._reconnect_at: float | None = None
+        self._last_reconnect = 0.0
         self._thread = threading.Thread(target=self._run, name=f"kv-sub-{pod}", daemon=True)
 
     def start(self) -> None:
@@ -102,7 +108,7 @@ class PodSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVHWM, 100_000)
         self._options.apply(sub)
-        monitor = sub.get_monitor_socket(HANDSHAKE_FAILED)
+        monitor = sub.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -115,6 +121,8 @@ class PodSubscriber:
                     self._on_monitor(monitor)
                 if sub in ready:
                     self._on_live_guarded(sub.recv_multipart())
+                if self._reconnect_at is not None and time.monotonic() >= self._reconnect_at:
+                    self._reconnect(sub)
         except zmq.ZMQError:
             self._metrics.events_invalid.labels(self.pod).inc()
             log.exception("KV event subscriber for %s stopped", self.pod)
@@ -125,6 +133,11 @@ class PodSubscriber:
 
     def _on_monitor(self, monitor: zmq.Socket) -> None:
         event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            # libzmq gives up on a connection it dropped for a protocol error (a frame over
+            # --kv-events-max-message-bytes, say): connect again ourselves, at most 1/s
+            self._reconnect_at = max(time.monotonic(), self._last_reconnect + RECONNECT_INTERVAL)
+            return
         self.handshake_failures += 1
         if self.handshake_failures == 1:  # the pod retries every reconnect: say it once
             log.warning(
@@ -134,6 +147,14 @@ class PodSubscriber:
                 event["event"],
                 event["endpoint"],
             )
+
+    def _reconnect(self, sub: zmq.Socket) -> None:
+        self._reconnect_at, self._last_reconnect = None, time.monotonic()
+        self.reconnects += 1
+        with contextlib.suppress(zmq.ZMQError):  # libzmq may have forgotten the endpoint
+            sub.disconnect(self._events)
+        sub.connect(self._events)
+        log.info("pod %s: KV-event connection dropped; connected again", self.pod)
 
     def _on_live_guarded(self, frames: list[bytes]) -> None:
         try:

@@ -130,7 +130,7 @@ def _read_key_list(path: Path) -> list[bytes]:
     keys = [
         _parse_key(line.strip(), f"{path} line {n}")
         for n, line in enumerate(lines, start=1)
-        if line.strip() and not line.lstrip().startswith("#")
+        if line.strip()  # no comment syntax: "#" is a Z85 character a key may start with
     ]
     if not keys:
         raise CurveKeyError(f"Curve key file {path} lists no public key")
