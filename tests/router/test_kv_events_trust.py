@@ -6,6 +6,8 @@ while the events on the wire carry neither the salt nor the prompt's token ids."
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -179,3 +181,18 @@ def test_the_router_cli_follows_curve_pods(module_spawn, pods, keys, models):
         )
     finally:
         router.stop()
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_a_missing_key_file_stops_the_start_naming_it(command, models, tmp_path):
+    args = [sys.executable, "-m", "epdserve.engine.cli", command]
+    if command == "serve":
+        args += [str(models.get("llama")), "--port", "1"]
+    else:
+        args += ["--endpoint", "http://127.0.0.1:1"]
+    proc = subprocess.run(
+        [*args, "--kv-events-curve-dir", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    missing = "server.public" if command == "serve" else "client.public"
+    assert proc.returncode != 0
+    assert f"Curve key file {tmp_path / missing} does not exist" in proc.stderr
