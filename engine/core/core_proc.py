@@ -104,13 +104,16 @@ class CoreLoop:
         try:
             self.core.add_request(req)
         except ValueError as exc:  # validated by the frontend; reject rather than crash
-            self._reject(req.request_id, exc, 400)
+            self._reject(req.request_id, exc, 400, req.label)
         except Exception as exc:  # a request the core cannot take must not end the core
             log.exception("adding request %s failed", req.request_id)
-            self._reject(req.request_id, exc, 500)
+            self._reject(req.request_id, exc, 500, req.label)
 
-    def _reject(self, request_id: str | None, exc: Exception, status: int) -> None:
-        log.warning("request %s rejected: %s", request_id, exc)
+    def _reject(
+        self, request_id: str | None, exc: Exception, status: int, label: str | None = None
+    ) -> None:
+        named = f"{request_id} (X-Request-Id {label!r})" if label else request_id
+        log.warning("request %s rejected: %s", named, exc)
         self.rejected += 1
         if request_id is not None:  # its client waits for an answer
             out = EngineCoreOutput(request_id, [], finish_reason="abort", stop_reason=str(exc))
