@@ -27,7 +27,14 @@ from epdserve.connectors.kv_events.sockets import MAX_REQUEST_BYTES, attach, pin
 
 log = logging.getLogger(__name__)
 
-__all__ = ["END_SEQ", "EventPublisher", "NullEventPublisher", "PublisherStats"]
+__all__ = [
+    "END_SEQ",
+    "EventPublisher",
+    "NullEventPublisher",
+    "PublisherStats",
+    "ZmqEventPublisher",
+    "create_publisher",
+]
 _STOP = object()
 
 
@@ -81,7 +88,8 @@ class ZmqEventPublisher(EventPublisher):
 
     ``publish`` takes wire structs or the engine's own event objects with vLLM's field
     names (``bytes`` hashes are cut to their low 64 bits); they are converted and encoded
-    later, on the publisher thread, so they must not be mutated afterwards.
+    later, on the publisher thread, so they must not be mutated afterwards. With
+    ``curve_keys`` leave ``context`` unset: the ZAP handler is one per context.
     """
 
     def __init__(
@@ -110,13 +118,15 @@ class ZmqEventPublisher(EventPublisher):
         # ZAP handler that serves only these sockets
         self._owns_context = context is None
         self._context = context or zmq.Context(io_threads=2)
-        self._curve = CurveServer(curve_keys, self._context, self.stats) if curve_keys else None
+        self._curve: CurveServer | None = None
         self._ready, self._error = threading.Event(), None
         self._closed = False
         self._stop_now = False
         self.address: str | None = None
         self._replay: ReplayServer | None = None
         try:
+            if curve_keys is not None:
+                self._curve = CurveServer(curve_keys, self._context, self.stats)
             if replay_endpoint:
                 self._replay = ReplayServer(
                     replay_endpoint,
