@@ -179,7 +179,7 @@ def start_engine(pool: Pool, args, model: str, name: str, role: str, extra: list
     if role != "both":
         cmd += ["--role", role]
     say(f"starting {name} (role {role}) on 127.0.0.1:{port} ...")
-    pool.spawn(name, cmd)
+    pool.spawn(name, cmd, {"EPDSERVE_POD_IP": "127.0.0.1"})  # events on loopback only
     wait_http(pool, f"http://127.0.0.1:{port}/ready")
     say(f"{name} ready")
     return f"http://127.0.0.1:{port},events={ev},replay={rp}"

@@ -1,51 +1,33 @@
 """The hostile-input table through the router of a P/D pool and of an E/P/D pool (real
-pods, a real redis-server), plus hostile images: every one a 4xx, every pod's engine
-core the same process afterwards, and the pool still serving."""
+pods, a real redis-server), plus hostile images and image bombs, sent to the router and
+straight to each pod of the E/P/D pool (each decodes images for itself). Every case gets
+its 4xx, and ends with every pod's engine core the same process, a normal request answered
+and no pod holding a request or a KV block."""
 
 from __future__ import annotations
 
-import base64
-import io
-import struct
-import zlib
-
-import httpx
 import pytest
-from hostile_inputs import TABLE, Hostile, check, send
+from hostile_inputs import (
+    IMAGE_BOMBS,
+    TABLE,
+    Hostile,
+    assert_intact,
+    check,
+    colliding_request_ids,
+    send,
+)
+from image_bombs import data_url, png_header_only, saved, small
 from test_router_disagg import RouterProcess, endpoint, role_pod
 
 
-def png(width: int = 32, height: int = 24) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (width, height), (10, 120, 200)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG that claims ``width x height`` pixels in a few bytes (a decompression bomb's
-    header: it must be refused before anything is decoded)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    idat = zlib.compress(b"\x00" * 64)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
-
-
-def data_url(raw: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(raw).decode()
+def png() -> bytes:
+    return small("PNG", (32, 24))
 
 
 def tiff() -> bytes:
     from PIL import Image
 
-    buf = io.BytesIO()
-    Image.new("RGB", (8, 8)).save(buf, format="TIFF")
-    return buf.getvalue()
+    return saved(Image.new("RGB", (8, 8)), "TIFF")
 
 
 def image_chat(*urls: str) -> dict:
@@ -107,20 +89,43 @@ def pools(models, redis_server):
             process.stop()
 
 
+def members(pods: dict, pool: str) -> dict:
+    return {name: srv for name, srv in pods.items() if name.startswith(pool + "-")}
+
+
+def normal(pool: str) -> tuple[str, dict]:
+    if pool == "epd":
+        return "/v1/chat/completions", image_chat(data_url(png()))
+    return "/v1/completions", {"model": "tiny", "prompt": "x = 1", "max_tokens": 3}
+
+
 @pytest.mark.parametrize("pool", ["pd", "epd"])
 def test_every_hostile_input_through_a_disaggregated_pool_gets_a_4xx(pools, pool):
     routers, pods = pools
-    members = {name: srv for name, srv in pods.items() if name.startswith(pool + "-")}
-    cores = {name: srv.core_pid() for name, srv in members.items()}
+    pool_pods = members(pods, pool)
+    cores = {name: srv.core_pid() for name, srv in pool_pods.items()}
+    path, body = normal(pool)
+    url = routers[pool].url
     # a P/D router sets kv_transfer_params itself, so a client's are replaced, not refused
     cases = [c for c in TABLE if "kv_transfer_params" not in (c.body or {})]
-    cases += IMAGES if pool == "epd" else []
+    cases += [*IMAGES, *IMAGE_BOMBS] if pool == "epd" else []
     for case in cases:
-        check(send(routers[pool].url, case), case)
-    assert {name: srv.core_pid() for name, srv in members.items()} == cores
-    body = image_chat(data_url(png())) if pool == "epd" else None
-    path = "/v1/chat/completions" if pool == "epd" else "/v1/completions"
-    body = body or {"model": "tiny", "prompt": "x = 1", "max_tokens": 3}
-    resp = httpx.post(routers[pool].url + path, json=body, timeout=60)
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["usage"]["completion_tokens"] >= 1
+        check(send(url, case), case)
+        assert_intact(case.name, pool_pods, cores, url, path, body)
+    colliding_request_ids(url, path, body)
+    assert_intact("colliding X-Request-Id headers", pool_pods, cores, url, path, body)
+
+
+@pytest.mark.parametrize("role", ["encoder", "prefill", "decode"])
+def test_each_epd_pod_refuses_every_image_bomb_from_its_header(pools, role):
+    """The router sends a request's image parts to every pod of an E/P/D pool, and each
+    decodes them for itself, so each must refuse a bomb before decoding it."""
+    routers, pods = pools
+    pool_pods = members(pods, "epd")
+    cores = {name: srv.core_pid() for name, srv in pool_pods.items()}
+    path, body = normal("epd")
+    for case in IMAGE_BOMBS:
+        check(send(pods[f"epd-{role}"].url, case), case)
+    assert_intact(
+        f"image bombs sent to the {role} pod", pool_pods, cores, routers["epd"].url, path, body
+    )

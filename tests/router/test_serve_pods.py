@@ -114,7 +114,7 @@ def test_killing_a_pod_mid_run_loses_no_request(module_spawn, pods, model_dir):
         body = {
             "model": "tiny",
             "prompt": f"request number {i}",
-            "max_tokens": 24,
+            "max_tokens": 160,  # long enough that the victim is seen busy, then killed busy
             "ignore_eos": True,
         }
         return httpx.post(router.url + "/v1/completions", json=body, timeout=120)

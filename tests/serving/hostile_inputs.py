@@ -4,6 +4,8 @@ tests; ``docs/operations.md`` lists what each gets."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -111,6 +113,12 @@ TABLE = [
         headers={"X-Request-Id": "a b"},
         param="X-Request-Id",
     ),
+    Hostile(
+        "an X-Request-Id of 129 characters",
+        completion(),
+        headers={"X-Request-Id": "r" * 129},
+        param="X-Request-Id",
+    ),
     Hostile("detokenizing ids past the vocabulary", {"tokens": [10**12]}, path="/detokenize"),
     Hostile("tokenizing a lone surrogate", raw=b'{"prompt": "\\ud800"}', path="/tokenize"),
 ]
@@ -172,3 +180,71 @@ def _image_bombs() -> list[Hostile]:
 
 
 IMAGE_BOMBS = _image_bombs()
+
+
+# Cases only a pod (or router) that checks an API key can answer.
+KEYED = [
+    Hostile("a wrong API key", completion(), headers={"Authorization": "Bearer wrong"}, status=401),
+    Hostile("no API key", completion(), headers={"Authorization": ""}, status=401),
+    Hostile(
+        "a wrong API key on a body past the size limit",
+        raw=b'{"prompt": "' + b"a" * (1 << 20) + b'"}',
+        headers={"Authorization": "Bearer wrong"},
+        status=401,
+    ),
+]
+
+
+def colliding_request_ids(url: str, path: str, body: dict) -> None:
+    """The request that used to stop an engine core: ``X-Request-Id: abc`` with ``n: 2``
+    while ``abc-0`` (the id its first child would get) and ``abc`` again run. All are
+    served; the header is echoed as a label."""
+    labels = ["abc", "abc-0", "abc", "abc-1"]
+
+    def one(label: str) -> httpx.Response:
+        headers = {**AUTH, "X-Request-Id": label}
+        params = {"n": 2, "temperature": 1.0, "seed": 3} if label == "abc" else {}
+        return httpx.post(url + path, json={**body, **params}, headers=headers, timeout=120)
+
+    with ThreadPoolExecutor(len(labels)) as pool:
+        answers = list(pool.map(one, labels))
+    for label, resp in zip(labels, answers, strict=True):
+        assert resp.status_code == 200, f"X-Request-Id {label}: {resp.status_code} {resp.text}"
+        assert resp.headers.get("x-request-id") == label
+
+
+SETTLED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+def gauges(pod_url: str) -> dict[str, float]:
+    """The pod's settle gauges (absent ones, e.g. an encoder pod's KV usage, are left out)."""
+    body = httpx.get(pod_url + "/metrics", timeout=5).text
+    values: dict[str, float] = {}
+    for line in body.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in SETTLED:
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def assert_settled(pod_url: str, timeout: float = 15) -> None:
+    """Nothing running or waiting and no KV block held: a request that leaked its blocks
+    would keep the usage above 0 for good."""
+    deadline = time.monotonic() + timeout
+    assert "vllm:num_requests_running" in gauges(pod_url), f"{pod_url} exports no gauges"
+    while any(gauges(pod_url).values()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{pod_url} holds requests or blocks: {gauges(pod_url)}")
+        time.sleep(0.05)
+
+
+def assert_intact(case: str, pods: dict, cores: dict, url: str, path: str, body: dict) -> None:
+    """How every hostile case must end: each pod's engine core the same process, a normal
+    request through ``url`` answered, and no pod holding a request or a KV block."""
+    now = {name: pod.core_pid() for name, pod in pods.items()}
+    assert now == cores, f"{case}: an engine core was replaced ({cores} -> {now})"
+    resp = httpx.post(url + path, json=body, headers=AUTH, timeout=120)
+    assert resp.status_code == 200, f"after {case}: {resp.status_code} {resp.text[:300]}"
+    assert resp.json()["usage"]["completion_tokens"] >= 1
+    for pod in pods.values():
+        assert_settled(pod.url)

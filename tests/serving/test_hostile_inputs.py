@@ -3,54 +3,25 @@ afterwards the pod's engine core is the same process and still serves."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import httpx
 import pytest
-from hostile_inputs import AUTH, TABLE, check, send
-from serving_support import free_port, wait_ready
+from hostile_inputs import AUTH, KEYED, TABLE, assert_intact, check, colliding_request_ids, send
 
-
-@pytest.fixture(scope="module")
-def router(server, models, tmp_path_factory):
-    """The real ``epdserve router`` in front of the module's pod."""
-    port = free_port()
-    endpoint = f"{server.url},events={free_port()},replay=none"
-    cmd = [sys.executable, "-m", "epdserve.engine.cli", "router", "--port", str(port)]
-    cmd += ["--endpoint", endpoint, "--model", str(models.get("llama"))]
-    cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1"]
-    log = open(tmp_path_factory.mktemp("router") / "router.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, 60)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def still_serves(server, core_pid: int) -> None:
-    assert server.core_pid() == core_pid, "the engine core was replaced"
-    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-    resp = httpx.post(
-        server.url + "/v1/completions",
-        json={"model": "tiny", "prompt": "x = 1", "max_tokens": 3, "temperature": 0},
-        headers=AUTH,
-        timeout=60,
-    )
-    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+NORMAL = {"model": "tiny", "prompt": "x = 1", "max_tokens": 3, "temperature": 0}
 
 
 @pytest.mark.parametrize("target", ["pod", "router"])
-def test_every_hostile_input_gets_a_4xx_and_the_core_survives(server, router, target):
-    core_pid = server.core_pid()
-    url = server.url if target == "pod" else router
+def test_every_hostile_input_gets_a_4xx_and_leaves_the_pod_intact(server, router, target):
+    """Each case: its 4xx naming the field, then the same engine core, a normal request
+    answered and no request or KV block left behind."""
+    pods, url = {"pod": server}, server.url if target == "pod" else router
+    cores = {"pod": server.core_pid()}
     assert len(TABLE) >= 25
-    for case in TABLE:
+    for case in [*TABLE, *KEYED]:
         check(send(url, case), case)
-    still_serves(server, core_pid)
+        assert_intact(case.name, pods, cores, url, "/v1/completions", NORMAL)
+    colliding_request_ids(url, "/v1/completions", NORMAL)
+    assert_intact("colliding X-Request-Id headers", pods, cores, url, "/v1/completions", NORMAL)
 
 
 @pytest.mark.parametrize("target", ["pod", "router"])

@@ -6,14 +6,11 @@ exactly as when it runs alone, through a pod and through a router in front of it
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from hostile_inputs import AUTH
-from serving_support import free_port, wait_ready
 
 LABELS = ["abc", "abc-0", "abc-1", "abc-p0", "abc-p1", "cmpl-abc", "chatcmpl-abc", "x", "x-0"]
 NUM_REQUESTS = 100
@@ -49,24 +46,6 @@ def answer(url: str, path: str, body: dict, label: str | None) -> list[tuple]:
     choices = resp.json()["choices"]
     text = [c.get("text", (c.get("message") or {}).get("content")) for c in choices]
     return sorted((c["index"], t, c["finish_reason"]) for c, t in zip(choices, text, strict=True))
-
-
-@pytest.fixture(scope="module")
-def router(server, models, tmp_path_factory):
-    port = free_port()
-    endpoint = f"{server.url},events={free_port()},replay=none"
-    cmd = [sys.executable, "-m", "epdserve.engine.cli", "router", "--port", str(port)]
-    cmd += ["--endpoint", endpoint, "--model", str(models.get("llama"))]
-    cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1"]
-    log = open(tmp_path_factory.mktemp("router") / "router.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, 60)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.mark.parametrize("target", ["pod", "router"])
