@@ -170,6 +170,13 @@ class EngineMetrics:
             "of another model), deleted and recomputed, by kind and reason.",
             ["kind", "reason"],
         )
+        self.kv_events = c(
+            "epdserve:kv_event_publisher",
+            "KV-event publisher counters by event: batches_published, batches_dropped, "
+            "replay_requests(_invalid|_busy|_refused), replay_answers_capped, "
+            "replay_batches_sent, replay_stalled, send_errors, auth_denied, publish_failures.",
+            ["event"],
+        )
         self._last = SchedulerStats()
 
     def _add_multimodal(self, c) -> None:
@@ -209,6 +216,10 @@ class EngineMetrics:
         for source, a, b in zip(PROMPT_SOURCES, now, then, strict=True):
             self.by_source[source].inc(max(0, a - b))
         self._count_rejections(stats.store_rejections, last.store_rejections)
+        for event, n in stats.kv_events.items():
+            grew = n - last.kv_events.get(event, 0)
+            if grew > 0:
+                self.kv_events.labels(**self.labels, event=event).inc(grew)
         self._last = stats
 
     def _count_rejections(self, now: dict, then: dict) -> None:

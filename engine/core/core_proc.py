@@ -63,6 +63,7 @@ class CoreLoop:
             if events:  # one batch per step, in block-pool order
                 self._publish(events)
             stats = self.core.stats()  # once per step: it decides the send and travels with it
+            stats.kv_events = self._event_counts()
             if outputs or self._counts(stats) != self.last_counts:
                 self._send(outputs, stats)
 
@@ -120,9 +121,16 @@ class CoreLoop:
             out.error, out.error_status = str(exc), status
             self._send([out])
 
+    def _event_counts(self) -> dict[str, int]:
+        counts = {k: v for k, v in vars(self.publisher.stats).items() if v}
+        if self.publish_failures:
+            counts["publish_failures"] = self.publish_failures
+        return counts
+
     @staticmethod
     def _counts(stats: SchedulerStats) -> tuple:
         return (
+            *sorted(stats.kv_events.items()),
             stats.num_running,
             stats.num_waiting,
             stats.prefix_queries,
@@ -137,7 +145,9 @@ class CoreLoop:
         )
 
     def _send(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None = None) -> None:
-        stats = stats or self.core.stats()
+        if stats is None:
+            stats = self.core.stats()
+            stats.kv_events = self._event_counts()
         self.last_counts = self._counts(stats)
         self.output.send(_encode.encode(EngineCoreOutputs(outputs, time.time(), stats)), copy=False)
 

@@ -120,6 +120,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     kv_save_failures: int = 0  # KV blocks a connector could not store (full, down, read-only)
     # stored values refused on load and deleted: {"kv_block"|"encoder_output": {reason: n}}
     store_rejections: dict[str, dict[str, int]] = {}
+    # the KV-event publisher's counters (batches published/dropped, replays, auth denied...)
+    kv_events: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

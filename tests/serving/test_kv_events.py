@@ -87,3 +87,23 @@ def test_block_stored_events_chain_the_prompt_blocks_and_replay_works(events_ser
         replayed.append(seq)
     assert replayed[: len(seqs)] == seqs
     ctx.destroy(linger=0)
+    # the publisher's counters reach the pod's /metrics (they travel with the core's stats)
+    wanted = ('event="batches_published"', 'event="replay_requests"')
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        httpx.post(  # a step after the replay carries the counters over
+            srv.url + "/v1/completions",
+            timeout=30,
+            json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+        )
+        text = httpx.get(srv.url + "/metrics", timeout=5).text
+        lines = [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith("epdserve:kv_event_publisher_total{") and any(w in ln for w in wanted)
+        ]
+        if len(lines) == 2:
+            break
+        time.sleep(0.1)
+    assert len(lines) == 2, lines
+    assert all(float(ln.rsplit(" ", 1)[1]) >= 1 for ln in lines), lines
