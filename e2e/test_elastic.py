@@ -317,6 +317,7 @@ def run_elastic(cluster, tmp) -> dict:
         stop(cluster, ELASTIC)
 
 
+@pytest.mark.slow  # ~2 min of the suite's 18 on 2 cores: `pytest -m slow` runs it
 def test_decode_scales_1_to_3_and_back_under_a_ramp_with_no_failed_request(
     cluster, tmp_path_factory
 ):

@@ -141,7 +141,8 @@ class Pool:
         self.store.close()
 
 
-@pytest.fixture(scope="module", params=["redis", "shared"])
+# the shared volume's damage cases run in tests/pd and the conformance suite; here they are slow
+@pytest.fixture(scope="module", params=["redis", pytest.param("shared", marks=pytest.mark.slow)])
 def pool(request, models, tmp_path_factory):
     if request.param == "redis":
         where = {"url": request.getfixturevalue("redis_server").url}
