@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def managed_redis(tmp_path):
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # the shell pipes into redis-server: stop the whole group
     )
     deadline = time.monotonic() + 10
     while proc.poll() is None:
@@ -85,7 +87,7 @@ def managed_redis(tmp_path):
             time.sleep(0.05)
     assert proc.poll() is None, "redis-server exited"
     yield proc, port, spec, env
-    proc.kill()
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(5)
 
 
