@@ -44,6 +44,8 @@ class EncoderCore:
     def add_request(self, req) -> None:
         if not req.mm_features:
             raise ValueError("prompt: an encoder pod serves requests with images only")
+        if req.request_id in self.pending:  # the id is the server's: a second one is a bug
+            raise ValueError(f"request_id: {req.request_id!r} is already in use")
         for i, f in enumerate(req.mm_features):
             f.check_buffer(i)
         self.pending[req.request_id] = req

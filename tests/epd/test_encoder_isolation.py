@@ -1,5 +1,5 @@
 """An encoder pod's core: one request that fails to encode fails alone; a pixel buffer that
-does not match its shape is refused at the door."""
+does not match its shape, or an id already pending, is refused at the door."""
 
 from __future__ import annotations
 
@@ -57,3 +57,14 @@ def test_a_pixel_buffer_that_does_not_match_its_shape_is_refused(encoder):
     req.mm_features[0].data = req.mm_features[0].data[:-4]
     with pytest.raises(ValueError, match="mm_features\\[0\\]"):
         core.add_request(req)
+
+
+def test_a_second_request_with_a_pending_id_is_refused_and_the_first_kept(encoder):
+    core, frontend = encoder
+    first = request(frontend, "dup", (1, 2, 3))
+    core.add_request(first)
+    with pytest.raises(ValueError, match="request_id"):
+        core.add_request(request(frontend, "dup", (9, 9, 9)))
+    assert core.pending["dup"] is first
+    outputs = core.step()
+    assert [o.request_id for o in outputs] == ["dup"] and outputs[0].error is None
