@@ -78,6 +78,15 @@ class _HeaderDeadline:
     header_timeout = DEFAULT_HEADER_TIMEOUT
     max_header_bytes = DEFAULT_MAX_HEADER_BYTES
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's own refusal past limit_concurrency is a plain-text 503 without
+        # Retry-After, which a router cannot tell from a broken pod: the same check is made
+        # here instead, answering in the API's error shape with Retry-After
+        limit, self.limit_concurrency = self.limit_concurrency, None
+        if limit is not None:
+            self.app = _concurrency_guard(self.app, self.connections, self.tasks, limit)
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._header_bytes = 0
@@ -189,15 +198,39 @@ class BodyReadTimeout:
                 await _send_error(send, 408, "request body was not received in time")
 
 
-async def _send_error(send, status: int, message: str) -> None:
+def _concurrency_guard(app, connections: set, tasks: set, limit: int):
+    """``app`` behind uvicorn's limit_concurrency test (this request's task is already in
+    ``tasks``), refusing with 503 + Retry-After past it."""
+
+    async def guarded(scope, receive, send) -> None:
+        if scope["type"] == "http" and (len(connections) >= limit or len(tasks) > limit):
+            log.warning("exceeded the concurrency limit (%d): 503", limit)
+            message = f"the server is at its concurrency limit ({limit}); retry later"
+            await _send_error(send, 503, message, "ServiceUnavailableError", None, b"1")
+            return
+        await app(scope, receive, send)
+
+    return guarded
+
+
+async def _send_error(
+    send,
+    status: int,
+    message: str,
+    kind: str = "RequestTimeout",
+    param: str | None = "body",
+    retry_after: bytes | None = None,
+) -> None:
     body = json.dumps(
-        {"error": {"message": message, "type": "RequestTimeout", "param": "body", "code": status}}
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
     ).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"connection", b"close"),
     ]
+    if retry_after is not None:
+        headers.append((b"retry-after", retry_after))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

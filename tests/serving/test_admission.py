@@ -1,6 +1,6 @@
 """Admission on one pod: past --max-num-seqs running plus --max-queued-requests waiting
 sequences a request gets 503 with Retry-After (OpenAI's shape, counted); the API key is
-checked before a body byte is read; uvicorn's --limit-concurrency holds."""
+checked before a body byte is read; --limit-concurrency holds."""
 
 from __future__ import annotations
 
@@ -117,11 +117,13 @@ def test_a_wrong_key_gets_401_before_any_body_byte_is_sent(pod, framing):
     assert b'"AuthenticationError"' in answer
 
 
-def test_beyond_limit_concurrency_uvicorn_answers_503(pod):
+def test_beyond_limit_concurrency_the_answer_is_503_with_retry_after(pod):
+    """In the API's error shape with Retry-After, so a router takes the pod as busy."""
     idle = [socket.create_connection(("127.0.0.1", pod.port), timeout=30) for _ in range(32)]
     try:
         r = httpx.get(pod.url + "/v1/models", headers=AUTH, timeout=30)
-        assert r.status_code == 503
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == 503 and "concurrency" in r.json()["error"]["message"]
     finally:
         for s in idle:
             s.close()
