@@ -9,7 +9,7 @@ is silently left out of the wheel. The top package ``epdserve`` is the repositor
 from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
-CODE_FOLDERS = ("engine", "connectors", "kernels", "router", "operator")
+CODE_FOLDERS = ("common", "engine", "connectors", "kernels", "router", "operator")
 
 
 class BuildPy(build_py):

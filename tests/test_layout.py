@@ -11,19 +11,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE_FOLDERS = ("engine", "connectors", "kernels", "router", "operator")
+CODE_FOLDERS = ("common", "engine", "connectors", "kernels", "router", "operator")
 ALL_FOLDERS = CODE_FOLDERS + ("crds", "charts", "examples", "tests", "e2e", "bench", "docs")
 # folder -> epdserve sub-packages it may import (besides itself)
 # the stdlib module, fetched by name: this file must itself pass the bare-import check
 STDLIB_OPERATOR = importlib.import_module("operator")
 ALLOWED_INTERNAL = {
-    "operator": set(),
-    "router": {"connectors"},
-    "engine": {"connectors", "kernels"},
-    "connectors": set(),
-    "kernels": set(),
+    "common": set(),  # the bottom package: logging, /metrics parsing, chat parts
+    "operator": {"common"},
+    "router": {"connectors", "common"},
+    "engine": {"connectors", "kernels", "common"},
+    "connectors": {"common"},
+    "kernels": {"common"},
 }
-NO_TORCH = ("operator", "router")
+NO_TORCH = ("common", "operator", "router")
 HEAVY = {"torch", "transformers", "triton"}
 
 
@@ -61,7 +62,7 @@ def test_no_code_imports_a_folder_bare():
         for path in python_files(folder):
             for module, name in imported_modules(path):
                 top, _, rest = module.partition(".")
-                if top in ("engine", "connectors", "kernels", "router"):
+                if top in ("common", "engine", "connectors", "kernels", "router"):
                     offenders.append(f"{path.relative_to(ROOT)}: import {module}")
                 elif top == "operator" and (rest or (name and not hasattr(STDLIB_OPERATOR, name))):
                     offenders.append(f"{path.relative_to(ROOT)}: import {module} {name or ''}")
@@ -139,7 +140,7 @@ def test_wheel_ships_every_code_file_and_nothing_from_the_root(tmp_path):
     assert "epdserve/setup.py" not in names
 
 
-@pytest.mark.parametrize("folder", ["operator", "router", "connectors"])
+@pytest.mark.parametrize("folder", ["common", "operator", "router", "connectors"])
 def test_every_module_imports_first_on_its_own(folder):
     """No import cycle hides behind a lucky import order: each module, imported before any
     other of its folder, loads."""
