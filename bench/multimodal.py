@@ -1,9 +1,16 @@
-"""Image+text serving: colocated vs encoder/prefill/decode, repeated vs unique images (JSON).
+"""Image+text serving: colocated vs encoder/prefill/decode, repeated vs unique images, and a
+prefill/decode text chat (JSON).
 
 Each pool is started with ``epdserve up`` (tiny random Gemma3) and driven with streamed chat
-requests carrying one image each; both pools run the same workloads in the same run.
+requests carrying one image each (the ``pd`` pool: text only); every pool runs its workloads in
+the same run. Besides throughput and TTFT, each workload reports what the request path costs:
+- ``cpu_outside_model_ms_per_request``: CPU time of every process of the pool (router, API
+  processes, engine cores, Redis) minus the time the cores spent running the model
+  (``epdserve:model_cpu_seconds``), per request;
+- ``core_input_bytes_per_request``: bytes the API processes sent to their engine cores over
+  ZeroMQ (``epdserve:core_input_bytes``), per request.
 
-    python bench/multimodal.py [--requests 24] [--concurrency 4]
+    python bench/multimodal.py [--requests 24] [--concurrency 4] [--pools colocated,epd,pd]
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import tempfile
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,7 +50,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_pool(model: str, mode: str, workdir: str) -> tuple[subprocess.Popen, str]:
+def start_pool(model: str, mode: str, workdir: str) -> tuple[subprocess.Popen, str, list[str]]:
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -66,9 +74,12 @@ def start_pool(model: str, mode: str, workdir: str) -> tuple[subprocess.Popen, s
         text=True,
         start_new_session=True,
     )
+    pods = []
     for line in proc.stdout:
+        if line.startswith("[epdserve up] starting ") and "(role " in line and " on 127." in line:
+            pods.append("http://" + line.rsplit(" on ", 1)[1].split()[0])
         if "ready: OpenAI API" in line:
-            return proc, f"http://127.0.0.1:{port}"
+            return proc, f"http://127.0.0.1:{port}", pods
     raise RuntimeError(f"{mode} pool failed to start (see {workdir})")
 
 
@@ -80,22 +91,56 @@ def stop_pool(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-async def one(client, url: str, image: str, rec: dict) -> None:
-    body = {
+def tree_cpu_seconds(root: int) -> float:
+    """utime + stime of ``root`` and every descendant alive now (from /proc)."""
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total
+
+
+def pod_counters(pods: list[str]) -> dict[str, float]:
+    """Model CPU seconds and core input bytes, summed over the pool's pods."""
+    sums = {"epdserve:model_cpu_seconds": 0.0, "epdserve:core_input_bytes": 0.0}
+    for url in pods:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name = sample.name.removesuffix("_total")
+                if name in sums and sample.name.endswith("_total"):
+                    sums[name] += sample.value
+    return sums
+
+
+def chat_body(image: str | None) -> dict:
+    text = {"type": "text", "text": "describe the picture"}
+    content = [{"type": "image_url", "image_url": {"url": image}}, text] if image else [text]
+    return {
         "model": "tiny",
         "max_tokens": 16,
         "temperature": 0,
         "stream": True,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": image}},
-                    {"type": "text", "text": "describe the picture"},
-                ],
-            }
-        ],
+        "messages": [{"role": "user", "content": content}],
     }
+
+
+async def one(client, url: str, image: str | None, rec: dict) -> None:
+    body = chat_body(image)
     start, first = time.perf_counter(), None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
@@ -107,7 +152,7 @@ async def one(client, url: str, image: str, rec: dict) -> None:
     rec["ttft"].append(first if first is not None else time.perf_counter() - start)
 
 
-async def workload(url: str, images: list[str], concurrency: int) -> dict:
+async def workload(url: str, images: list, concurrency: int) -> dict:
     rec = {"ttft": []}
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
@@ -129,26 +174,47 @@ async def workload(url: str, images: list[str], concurrency: int) -> dict:
     }
 
 
+def measured(proc, url: str, pods: list[str], images: list, concurrency: int) -> dict:
+    """One workload with the pool's CPU time and core input bytes around it."""
+    time.sleep(1.0)  # let the previous workload's stats reach the API processes
+    cpu0, counters0 = tree_cpu_seconds(proc.pid), pod_counters(pods)
+    result = asyncio.run(workload(url, images, concurrency))
+    time.sleep(1.5)  # the cores publish stats with their outputs and on idle ticks
+    cpu1, counters1 = tree_cpu_seconds(proc.pid), pod_counters(pods)
+    n = len(images)
+    model = counters1["epdserve:model_cpu_seconds"] - counters0["epdserve:model_cpu_seconds"]
+    sent = counters1["epdserve:core_input_bytes"] - counters0["epdserve:core_input_bytes"]
+    result.update(
+        cpu_total_ms_per_request=(cpu1 - cpu0) * 1e3 / n,
+        model_cpu_ms_per_request=model * 1e3 / n,
+        cpu_outside_model_ms_per_request=(cpu1 - cpu0 - model) * 1e3 / n,
+        core_input_bytes_per_request=sent / n,
+    )
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--pools", default="colocated,epd,pd")
     args = ap.parse_args()
     from epdserve.engine.make_model import make_model
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_model("gemma3", f"{tmp}/gemma3", seed=0))
-        workloads = {
+        image_workloads = {
             "repeated_image": [image_url(1)] * args.requests,
             "unique_images": [image_url(100 + i) for i in range(args.requests)],
         }
-        for mode in ("colocated", "epd"):
-            proc, url = start_pool(model, mode, f"{tmp}/{mode}")
+        for mode in args.pools.split(","):
+            workloads = {"text_chat": [None] * args.requests} if mode == "pd" else image_workloads
+            proc, url, pods = start_pool(model, mode, f"{tmp}/{mode}")
             try:
-                asyncio.run(workload(url, [image_url(999)], 1))  # warm-up
+                asyncio.run(workload(url, [image_url(999) if mode != "pd" else None], 1))
                 results[mode] = {
-                    name: asyncio.run(workload(url, imgs, args.concurrency))
+                    name: measured(proc, url, pods, imgs, args.concurrency)
                     for name, imgs in workloads.items()
                 }
             finally:

@@ -199,7 +199,10 @@ class AsyncLLM:
                 cache_salt,
                 label,
             )
-            await self.input.send_multipart([self.core_identity, ADD, self._encode.encode(req)])
+            frame = self._encode.encode(req)
+            await self.input.send_multipart([self.core_identity, ADD, frame])
+            if self.metrics:
+                self.metrics.core_input_bytes.inc(len(frame))
         if self.metrics:
             self.metrics.on_request_added(len(prompt_token_ids), params)
         try:

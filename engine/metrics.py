@@ -177,6 +177,14 @@ class EngineMetrics:
             "replay_batches_sent, replay_stalled, send_errors, auth_denied, publish_failures.",
             ["event"],
         )
+        self.model_cpu = c(
+            "epdserve:model_cpu_seconds",
+            "CPU seconds the engine core spent running the model (every thread).",
+        )
+        self.core_input_bytes = c(
+            "epdserve:core_input_bytes",
+            "Bytes of requests sent from the API process to the engine core over ZeroMQ.",
+        )
         self._last = SchedulerStats()
 
     def _add_multimodal(self, c) -> None:
@@ -216,6 +224,7 @@ class EngineMetrics:
         for source, a, b in zip(PROMPT_SOURCES, now, then, strict=True):
             self.by_source[source].inc(max(0, a - b))
         self._count_rejections(stats.store_rejections, last.store_rejections)
+        self.model_cpu.inc(max(0.0, stats.model_cpu_seconds - last.model_cpu_seconds))
         for event, n in stats.kv_events.items():
             grew = n - last.kv_events.get(event, 0)
             if grew > 0:

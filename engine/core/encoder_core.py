@@ -6,6 +6,7 @@ answering with the identifiers it stored."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -40,6 +41,7 @@ class EncoderCore:
         self.num_blocks = 0
         self.step_count = 0
         self.failed_steps = 0
+        self.model_cpu_seconds = 0.0  # process CPU time spent encoding
 
     def add_request(self, req) -> None:
         if not req.mm_features:
@@ -91,9 +93,11 @@ class EncoderCore:
         features = {f.identifier: f for r in reqs for f in r.mm_features}
         stored = self.ec_connector.stored(list(features))
         todo = [f for f, found in zip(features.values(), stored, strict=True) if not found]
+        cpu = time.process_time()
         try:
             self.outputs.encode(todo)  # saves through the connector
         finally:
+            self.model_cpu_seconds += time.process_time() - cpu
             self.outputs.free([f.identifier for f in todo])  # the store keeps them, not us
 
     @staticmethod
@@ -114,6 +118,7 @@ class EncoderCore:
             num_steps=self.step_count,
             encoder_runs=self.outputs.num_runs,
             failed_steps=self.failed_steps,
+            model_cpu_seconds=self.model_cpu_seconds,
         )
 
     def close(self) -> None:

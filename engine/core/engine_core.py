@@ -122,6 +122,7 @@ class EngineCore:
         self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, self._seed()))
         self.eos_token_ids = model_cfg.eos_token_ids
         self.step_count = 0
+        self.model_cpu_seconds = 0.0  # process CPU time spent in execute_model
         self.guard = StepGuard()
 
     def _seed(self) -> str | None:
@@ -236,7 +237,9 @@ class EngineCore:
             return self.guard.contain_schedule(self.scheduler, exc)
         try:
             maybe_fail("execute", sched.num_scheduled_tokens, self.scheduler.label_of)
+            cpu = time.process_time()
             result = self.runner.execute_model(sched)
+            self.model_cpu_seconds += time.process_time() - cpu
         except Exception as exc:  # one request's fault must not end every request
             return self.guard.contain(self.scheduler, sched, exc)
         self.step_count += 1
@@ -287,4 +290,5 @@ class EngineCore:
             stats.external_hits = s.kv_transfer.hits
             stats.kv_load_failures = s.kv_transfer.load_failures
         stats.store_rejections = store_rejections(self.kv_connectors, self.ec_connector)
+        stats.model_cpu_seconds = self.model_cpu_seconds
         return stats

@@ -122,6 +122,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     store_rejections: dict[str, dict[str, int]] = {}
     # the KV-event publisher's counters (batches published/dropped, replays, auth denied...)
     kv_events: dict[str, int] = {}
+    # CPU seconds of this process (every thread) while the model ran: what the pod spends
+    # outside the model is its processes' CPU time minus this
+    model_cpu_seconds: float = 0.0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
