@@ -16,8 +16,8 @@ PUBLIC_API: dict[str, dict[str, str]] = {
     "engine": {
         "LLM": "epdserve.engine.llm",
         "SamplingParams": "epdserve.engine.sampling_params",
-        "RequestOutput": "epdserve.engine.outputs",
-        "CompletionOutput": "epdserve.engine.outputs",
+        "RequestOutput": "epdserve.engine.outputs.request_output",
+        "CompletionOutput": "epdserve.engine.outputs.request_output",
     },
     "kernels": {
         name: "epdserve.kernels.api"

@@ -23,7 +23,7 @@ from epdserve.engine.core.core_proc import ABORT, ADD, READY
 from epdserve.engine.core.engine_core import EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutputs, SchedulerStats
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
-from epdserve.engine.output_processor import RequestState, StreamOutput
+from epdserve.engine.outputs.output_processor import RequestState, StreamOutput
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
 

@@ -61,7 +61,7 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")
         if self.mm_processor_kwargs is not None:
-            from epdserve.engine.multimodal.processor import check_processor_kwargs
+            from epdserve.engine.inputs.processor import check_processor_kwargs
 
             check_processor_kwargs(self.mm_processor_kwargs)
         if self.attention_backend is not None:

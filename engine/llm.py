@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, Logprobs, MMFeature
-from epdserve.engine.detokenizer import IncrementalDetokenizer
-from epdserve.engine.multimodal.images import LoadedImage
-from epdserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from epdserve.engine.outputs.detokenizer import IncrementalDetokenizer
+from epdserve.engine.inputs.images import LoadedImage
+from epdserve.engine.outputs.request_output import CompletionOutput, Logprob, RequestOutput
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
 
@@ -95,7 +95,7 @@ class LLM:
 
     def _multimodal(self):
         if self._images is None:
-            from epdserve.engine.multimodal.frontend import FrontendMultimodal
+            from epdserve.engine.inputs.frontend import FrontendMultimodal
 
             self._images = FrontendMultimodal(
                 self.config.model,

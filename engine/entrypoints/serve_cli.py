@@ -240,7 +240,7 @@ def engine_config(args: argparse.Namespace):
 def request_limits(args: argparse.Namespace):
     """Per-request limits and image-loading limits from the flags."""
     from epdserve.engine.entrypoints.openai.limits import RequestLimits
-    from epdserve.engine.multimodal.images import ImageLimits
+    from epdserve.engine.inputs.images import ImageLimits
 
     if args.max_logprobs < 0:
         raise ValueError(f"max_logprobs: must be non-negative, got {args.max_logprobs}")
@@ -307,9 +307,9 @@ def _json_flag(text: str | None, name: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    from epdserve.common.logs import setup_logging
     from epdserve.engine.entrypoints.openai.api_server import ServerState, build_app
     from epdserve.engine.entrypoints.openai.drain import serve
-    from epdserve.engine.logs import setup_logging
 
     # the engine-core process inherits these and logs the same way
     os.environ["EPDSERVE_LOG_LEVEL"], os.environ["EPDSERVE_LOG_FORMAT"] = (

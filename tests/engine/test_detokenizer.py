@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epdserve.engine.detokenizer import IncrementalDetokenizer
+from epdserve.engine.outputs.detokenizer import IncrementalDetokenizer
 from epdserve.engine.tokenizer import TokenizerInfo
 
 

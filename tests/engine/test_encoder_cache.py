@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from epdserve.engine.core.encoder_cache_manager import EncoderCacheManager
-from epdserve.engine.multimodal.processor import ProcessorCache, placeholder_spans
+from epdserve.engine.inputs.processor import ProcessorCache, placeholder_spans
 
 
 def test_first_use_misses_then_a_second_request_hits_and_shares():

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from epdserve.engine.multimodal.images import ImageLimits, load_image_url_async
+from epdserve.engine.inputs.images import ImageLimits, load_image_url_async
 
 WHERE = "messages[0].content[0]"
 

@@ -7,8 +7,8 @@ import io
 
 import pytest
 
-from epdserve.engine.multimodal.hashing import image_item_bytes, mm_hash
-from epdserve.engine.multimodal.images import ImageLimits, load_image_url
+from epdserve.engine.inputs.hashing import image_item_bytes, mm_hash
+from epdserve.engine.inputs.images import ImageLimits, load_image_url
 
 
 def png_data_url(color=(200, 10, 30), size=(80, 50), fmt="PNG") -> str:
@@ -77,7 +77,7 @@ def test_pixels_hash_when_no_encoded_bytes():
 def test_processing_matches_the_hf_processor(models):
     from transformers import AutoProcessor
 
-    from epdserve.engine.multimodal.processor import ImageProcessor
+    from epdserve.engine.inputs.processor import ImageProcessor
     from epdserve.engine.tokenizer import TokenizerInfo
 
     path = str(models.get("gemma3"))
@@ -103,7 +103,7 @@ def test_processing_matches_the_hf_processor(models):
 
 
 def test_image_count_must_match_markers(models):
-    from epdserve.engine.multimodal.processor import ImageProcessor
+    from epdserve.engine.inputs.processor import ImageProcessor
     from epdserve.engine.tokenizer import TokenizerInfo
 
     path = str(models.get("gemma3"))

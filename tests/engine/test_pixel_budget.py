@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))  # the shared ima
 
 import image_bombs as bombs  # noqa: E402
 
-from epdserve.engine.multimodal import budget  # noqa: E402
-from epdserve.engine.multimodal.budget import ImageHeader, check_request_pixels  # noqa: E402
-from epdserve.engine.multimodal.images import ImageLimits, LoadedImage, load_image_url  # noqa: E402
+from epdserve.engine.inputs import budget  # noqa: E402
+from epdserve.engine.inputs.budget import ImageHeader, check_request_pixels  # noqa: E402
+from epdserve.engine.inputs.images import ImageLimits, LoadedImage, load_image_url  # noqa: E402
 
 WHERE = "messages[0].content[1]"
 
@@ -162,14 +162,14 @@ def rechunked_png(width: int, height: int, chunk: int) -> bytes:
 def test_real_images_are_far_inside_the_structure_bound():
     png = rechunked_png(1000, 1000, 1024)  # 2,900 chunks: libpng writes 8 KB ones
     assert load(png).decode().size == (1000, 1000)
-    from epdserve.engine.multimodal.structure import _png_turns
+    from epdserve.engine.inputs.structure import _png_turns
 
     assert 2000 < _png_turns(png) < 16_384
 
 
 @pytest.fixture(scope="module")
 def frontend(models):
-    from epdserve.engine.multimodal.frontend import FrontendMultimodal
+    from epdserve.engine.inputs.frontend import FrontendMultimodal
     from epdserve.engine.tokenizer import TokenizerInfo
 
     path = str(models.get("gemma3"))
@@ -189,7 +189,7 @@ def decodes(monkeypatch):
         seen.append(weakref.ref(image))
         return image
 
-    monkeypatch.setattr("epdserve.engine.multimodal.images.decode_rgb", decode_rgb)
+    monkeypatch.setattr("epdserve.engine.inputs.images.decode_rgb", decode_rgb)
     return seen
 
 

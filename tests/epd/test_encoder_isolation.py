@@ -10,8 +10,8 @@ import pytest
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.encoder_core import EncoderCore
 from epdserve.engine.core.engine_core import EngineCoreRequest
-from epdserve.engine.multimodal.frontend import FrontendMultimodal
-from epdserve.engine.multimodal.images import LoadedImage
+from epdserve.engine.inputs.frontend import FrontendMultimodal
+from epdserve.engine.inputs.images import LoadedImage
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
 

@@ -40,8 +40,8 @@ from epdserve.engine.entrypoints.openai.protocol import (
 )
 from epdserve.engine.entrypoints.openai.serving import OpenAIServing
 from epdserve.engine.metrics import EngineMetrics
-from epdserve.engine.multimodal.frontend import FrontendMultimodal, is_multimodal
-from epdserve.engine.multimodal.images import ImageLimits
+from epdserve.engine.inputs.frontend import FrontendMultimodal, is_multimodal
+from epdserve.engine.inputs.images import ImageLimits
 
 log = logging.getLogger("epdserve.server")
 

@@ -18,7 +18,7 @@ from epdserve.engine.entrypoints.openai.limits import (
 )
 from epdserve.engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from epdserve.engine.kv_transfer.params import validate_kv_transfer_params
-from epdserve.engine.multimodal.processor import check_processor_kwargs
+from epdserve.engine.inputs.processor import check_processor_kwargs
 from epdserve.engine.tokenizer import RESERVED_TEMPLATE_KWARGS
 
 _json = msgspec.json.Encoder()

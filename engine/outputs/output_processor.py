@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from epdserve.engine.core.interfaces import EngineCoreOutput, Logprobs
-from epdserve.engine.detokenizer import IncrementalDetokenizer
+from epdserve.engine.outputs.detokenizer import IncrementalDetokenizer
 from epdserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
 

@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 
 from epdserve.engine.core.interfaces import MMFeature
-from epdserve.engine.multimodal.budget import check_request_pixels
-from epdserve.engine.multimodal.images import (
+from epdserve.engine.inputs.budget import check_request_pixels
+from epdserve.engine.inputs.images import (
     ImageLimits,
     LoadedImage,
     load_image_url,
     load_image_url_async,
 )
-from epdserve.engine.multimodal.processor import ImageProcessor
+from epdserve.engine.inputs.processor import ImageProcessor
 from epdserve.engine.tokenizer import TokenizerInfo
 
 

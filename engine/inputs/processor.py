@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from epdserve.engine.multimodal.hashing import mm_hash
-from epdserve.engine.multimodal.images import LoadedImage
+from epdserve.engine.inputs.hashing import mm_hash
+from epdserve.engine.inputs.images import LoadedImage
 from epdserve.engine.tokenizer import TokenizerInfo
 
 

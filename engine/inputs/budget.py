@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from epdserve.engine.multimodal.structure import check_structure
+from epdserve.engine.inputs.structure import check_structure
 
 RGB_BYTES = 3  # per pixel of what the processor makes: one RGB frame
 PIL_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # the only parsers client bytes reach

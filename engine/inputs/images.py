@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
 
-from epdserve.engine.multimodal.budget import ImageHeader, decode_rgb, probe
-from epdserve.engine.multimodal.hashing import image_item_bytes
+from epdserve.engine.inputs.budget import ImageHeader, decode_rgb, probe
+from epdserve.engine.inputs.hashing import image_item_bytes
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
