@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from epdserve.common.logs import FORMATS, LEVELS, setup_logging
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `epdserve operator`."""
@@ -27,7 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="drift-repair and status interval (default 30 or $EPDSERVE_OPERATOR_RESYNC_SECONDS)",
     )
-    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-level", choices=LEVELS, default=None, help="default info or $EPDSERVE_LOG_LEVEL"
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default=None,
+        help="text lines, or json: one object per line (default text or $EPDSERVE_LOG_FORMAT)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="debug logging (--log-level debug)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from epdserve.operator import main  # noqa: F401  (registers the handlers)
 
-    kopf.configure(verbose=args.verbose)
+    setup_logging("debug" if args.verbose else args.log_level, args.log_format)
     kopf.run(
         standalone=True,
         namespaces=args.namespace,  # empty with clusterwide=True (None crashes kopf)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from epdserve.router.logs import FORMATS, LEVELS
+from epdserve.common.logs import FORMATS, LEVELS
 from epdserve.router.strategy import STRATEGIES
 
 
@@ -303,8 +303,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted."""
     import uvicorn
 
+    from epdserve.common.logs import setup_logging
     from epdserve.connectors.slow_clients import HTTPLimits
-    from epdserve.router.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
     try:

@@ -20,6 +20,7 @@ import time
 import msgspec
 import zmq
 
+from epdserve.common.logs import setup_logging
 from epdserve.connectors.kv_events import (
     KVEventsConfig,
     NullEventPublisher,
@@ -30,7 +31,6 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.encoder_core import EncoderCore
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from epdserve.engine.logs import setup_logging
 
 log = logging.getLogger("epdserve.core")
 
