@@ -10,6 +10,7 @@ from epdserve.connectors.kv_connector.base import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
+    KVConnectorStats,
     KVRequest,
     ScheduledRequest,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "KVConnectorMetadata",
     "KVConnectorOutput",
     "KVConnectorRole",
+    "KVConnectorStats",
     "KVLayout",
     "KVRequest",
     "KVTransferConfig",

@@ -61,6 +61,18 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_sending: list[str] = []  # finished requests whose saves are all done
     finished_recving: list[str] = []  # requests whose loads are done (failed or not)
     invalid_block_ids: list[int] = []  # blocks a finished load could not fill
+    saved: list[tuple[bytes, bool]] = []  # (block hash, stored?) of saves done since the last
+    missed: list[bytes] = []  # blocks loads done since the last output found gone from the store
+
+
+class KVConnectorStats(msgspec.Struct, frozen=True):
+    """A connector's transfer counters since it started (the worker side moves the blocks)."""
+
+    saved: int = 0  # blocks stored
+    save_failures: int = 0  # blocks the store could not take
+    loaded: int = 0  # blocks copied into the paged cache
+    misses: int = 0  # blocks a load found absent (never stored, evicted, expired)
+    rejected: int = 0  # blocks present but refused (``rejections`` says why): deleted
 
 
 class KVConnectorBase(ABC):
@@ -97,6 +109,16 @@ class KVConnectorBase(ABC):
         """``(delay_free, kv_transfer_params)``: whether the blocks must outlive the request
         until ``finished_sending`` names it, and what to hand the next pod (None: nothing).
         Forgets the request."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027
+        """The worker side's report of a step, before the scheduler applies it. A connector
+        keeps what it needs (e.g. finished saves it turns into KV events). Mutates only the
+        connector's bookkeeping."""
+
+    def take_events(self) -> list:
+        """KV events (``epdserve.connectors.kv_events``) this connector produced since the
+        last call, e.g. blocks stored to (or found gone from) a shared store. Forgets them."""
+        return []
 
     def step_failed(self, metadata: KVConnectorMetadata) -> None:  # noqa: B027
         """The step that carried ``metadata`` never ran its forward: the blocks its saves
@@ -144,6 +166,15 @@ class KVConnectorBase(ABC):
     def close(self) -> None:
         """Finish background work and release the store."""
         return None
+
+    # --- either side ----------------------------------------------------------------------
+    def stats(self) -> KVConnectorStats:
+        """This instance's transfer counters (a snapshot; mutates nothing)."""
+        return KVConnectorStats()
+
+    def rejections(self) -> dict[str, int]:
+        """Stored values this instance refused on load (each one deleted), by reason."""
+        return {}
 
     # --- shared helpers -----------------------------------------------------------------
     def take_output(self, finished_req_ids: set[str]) -> KVConnectorOutput:

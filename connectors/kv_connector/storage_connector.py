@@ -18,7 +18,9 @@ from epdserve.connectors.kv_connector.base import (
     BlockTransfer,
     KVConnectorBase,
     KVConnectorMetadata,
+    KVConnectorOutput,
     KVConnectorRole,
+    KVConnectorStats,
     KVRequest,
     ScheduledRequest,
 )
@@ -91,6 +93,7 @@ class StorageConnector(KVConnectorBase):
         self._queued_loads: list[BlockTransfer] = []
         # block hash -> (parent hash, tokens, extra keys) of planned saves, for store events
         self._save_plans: dict[bytes, tuple[bytes | None, list[int], Any]] = {}
+        self._events: list = []  # store-tier KV events not yet taken
         # worker side
         self._kv_cache = None
         self._meta = KVConnectorMetadata()
@@ -102,9 +105,9 @@ class StorageConnector(KVConnectorBase):
         self._saves: dict[str, list[Future]] = {}
         self._finishing: set[str] = set()
         self._invalid: set[int] = set()
-        # (hash, stored?) of finished saves and hashes a load missed, for store events;
-        # appended on the transfer threads, drained by the engine each step
-        self._saved: deque[tuple[bytes, bool]] = deque()
+        # saves not yet reported in an output, and hashes loads missed (appended on the
+        # loader thread): the scheduler side turns them into store-tier KV events
+        self._unreported: list[tuple[Future, list[bytes]]] = []
         self._missed: deque[bytes] = deque()
 
     # --- scheduler side -------------------------------------------------------------
@@ -227,9 +230,16 @@ class StorageConnector(KVConnectorBase):
                 else (parent, list(tokens[i * bs : (i + 1) * bs]), None)
             )
 
-    def store_events(self, saved: list[tuple[bytes, bool]], missed: list[bytes]) -> list:
-        """Scheduler side: KV events (``medium="STORE"``) for blocks the worker side saved
-        to the store, and for blocks a load found gone from it."""
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._events += self._store_events(output.saved, output.missed)
+
+    def take_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def _store_events(self, saved: list[tuple[bytes, bool]], missed: list[bytes]) -> list:
+        """KV events (``medium="STORE"``) for blocks the worker side saved to the store, and
+        for blocks a load found gone from it; forgets the plans of the saves."""
         events: list = []
         for block_hash, ok in saved:
             plan = self._save_plans.pop(block_hash, None)
@@ -302,17 +312,25 @@ class StorageConnector(KVConnectorBase):
     def wait_for_save(self) -> None:
         for t in self._meta.saves:
             job = self._writer.submit(self.kv_io.save, self._kv_cache, t.block_ids, t.block_hashes)
-            job.add_done_callback(lambda job, hashes=t.block_hashes: self._note_saved(job, hashes))
             self._saves.setdefault(t.req_id, []).append(job)
+            self._unreported.append((job, t.block_hashes))
 
-    def _note_saved(self, job: Future, hashes: list[bytes]) -> None:
-        ok = job.result() if job.exception() is None else None
-        self._saved.extend(zip(hashes, ok or [False] * len(hashes), strict=True))
+    def take_output(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        out = super().take_output(finished_req_ids)
+        # after get_finished: every save of a request it reports done is in ``saved`` too
+        out.saved, out.missed = self._take_transfer_results()
+        return out
 
-    def take_transfer_results(self) -> tuple[list[tuple[bytes, bool]], list[bytes]]:
-        """Worker side: ``(hash, stored?)`` of saves finished and hashes loads missed since
-        the last call."""
-        saved = [self._saved.popleft() for _ in range(len(self._saved))]
+    def _take_transfer_results(self) -> tuple[list[tuple[bytes, bool]], list[bytes]]:
+        """``(hash, stored?)`` of saves finished and hashes loads missed since the last call."""
+        saved, pending = [], []
+        for job, hashes in self._unreported:
+            if not job.done():
+                pending.append((job, hashes))
+                continue
+            ok = job.result() if job.exception() is None else None
+            saved += zip(hashes, ok or [False] * len(hashes), strict=True)
+        self._unreported = pending
         missed = [self._missed.popleft() for _ in range(len(self._missed))]
         return saved, missed
 
@@ -331,8 +349,11 @@ class StorageConnector(KVConnectorBase):
             self._invalid.update(block_ids[first_bad:])
         return sending, recving
 
+    def stats(self) -> KVConnectorStats:
+        s = self.kv_io.stats
+        return KVConnectorStats(s.saved, s.save_failures, s.loaded, s.misses, s.rejected)
+
     def rejections(self) -> dict[str, int]:
-        """Stored blocks this side refused (and deleted) since it started, by reason."""
         return rejection_counts(self.kv_io, self.store)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -346,14 +367,6 @@ class StorageConnector(KVConnectorBase):
             if worker is not None:
                 worker.close(close_store=False)
         self.store.close()
-
-
-def take_store_events(connectors: tuple) -> list:
-    """The store-tier KV events of a ``(scheduler side, worker side)`` pair since the last
-    call (the engine appends them to its step's events); none for other connectors."""
-    if len(connectors) != 2 or not isinstance(connectors[1], StorageConnector):
-        return []
-    return connectors[0].store_events(*connectors[1].take_transfer_results())
 
 
 def _result(job: Future, what: str):

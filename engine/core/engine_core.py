@@ -11,7 +11,6 @@ import torch
 
 from epdserve.connectors.ec_connector import create_ec_connector
 from epdserve.connectors.kv_connector import KVTransferConfig
-from epdserve.connectors.kv_connector.storage_connector import take_store_events
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature, SchedulerStats
@@ -261,7 +260,10 @@ class EngineCore:
     def take_events(self) -> list:
         """This step's KV events: the pod's own cache, then blocks its KV connector saved to
         the shared store."""
-        return self.kv.take_events() + take_store_events(self.kv_connectors)
+        events = self.kv.take_events()
+        for connector in self.kv_connectors:
+            events += connector.take_events()
+        return events
 
     def stats(self) -> SchedulerStats:
         """Gauges now and cumulative counters, for the frontend's metrics."""
@@ -281,10 +283,8 @@ class EngineCore:
             stats.mm_queries, stats.mm_hits = s.encoder.cache.queries, s.encoder.cache.hits
             stats.encoder_runs = self.runner.encoder_outputs.num_runs
             stats.encoder_loads = self.runner.encoder_outputs.num_loads
-        for connector in self.kv_connectors:  # the worker side's transfer counters
-            transfer = getattr(getattr(connector, "kv_io", None), "stats", None)
-            if transfer is not None:
-                stats.kv_save_failures += transfer.save_failures
+        for connector in self.kv_connectors:  # the worker side moves the blocks
+            stats.kv_save_failures += connector.stats().save_failures
         if s.kv_transfer is not None:
             stats.external_queries = s.kv_transfer.queries
             stats.external_hits = s.kv_transfer.hits

@@ -115,6 +115,7 @@ class KVTransferCoordinator:
         """Apply the worker's report: (loaded requests to queue again, released outputs)."""
         if out is None:
             return [], []
+        self.connector.update_connector_output(out)
         invalid = set(out.invalid_block_ids)
         ready = [self._finish_load(r, invalid) for r in out.finished_recving]
         ready = [r for r in ready if r is not None]

@@ -97,7 +97,7 @@ def test_a_connector_on_a_full_redis_counts_failed_saves_and_loads_miss(redis_ur
     try:
         full_redis(headroom=0)
         _save(worker)
-        assert worker.kv_io.stats.save_failures == len(HASHES)
+        assert worker.stats().save_failures == len(HASHES)
         assert worker.store.stats.put_failures == len(HASHES)
         assert worker.kv_io.count_cached_prefix(HASHES) == 0  # scheduler side: nothing to load
         assert _load(worker) == set(BLOCK_IDS)  # every block is recomputed
@@ -112,7 +112,7 @@ def test_saves_resume_once_the_full_redis_has_room_again(redis_url, full_redis):
         _save(worker, "before")
         redis.Redis.from_url(redis_url).config_set("maxmemory", "0")  # the operator fixed it
         _save(worker, "after")
-        assert worker.kv_io.stats.saved == len(HASHES)
+        assert worker.stats().saved == len(HASHES)
         assert _load(worker) == set()  # nothing left to recompute
     finally:
         worker.close()
@@ -124,7 +124,7 @@ def test_a_connector_on_an_unwritable_volume_counts_failed_saves_and_loads_miss(
     worker = _worker(SharedStorageConnector, {"path": str(blocker / "kv"), "max_bytes": 1 << 20})
     try:
         _save(worker)
-        assert worker.kv_io.stats.save_failures == len(HASHES)
+        assert worker.stats().save_failures == len(HASHES)
         assert worker.store.stats.put_failures == len(HASHES)
         assert _load(worker) == set(BLOCK_IDS)
     finally:
