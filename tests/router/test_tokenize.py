@@ -60,38 +60,34 @@ def test_a_directory_without_tokenizer_is_rejected(tmp_path):
         PromptTokenizer(tmp_path)
 
 
-CONVERSATIONS = [
-    (MESSAGES, {}),
-    (
-        [
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello there"},
-            {"role": "user", "content": "and now?"},
-        ],
-        {},
-    ),
-    ([{"role": "user", "content": "say A"}], {"add_generation_prompt": False}),
-    (
-        [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "once upon"}],
-        {"continue_final_message": True},
-    ),
-]
+def test_a_chat_with_images_is_left_to_the_pods(models):
+    """Image placeholders are expanded by a pod's processor: the router never guesses them."""
+    tok = PromptTokenizer(models.get("gemma3"))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]}
+    with pytest.raises(PromptError, match="images"):
+        tok.chat_ids(body)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_the_routers_renderer_equals_transformers_on_every_architecture(models, arch):
-    """The router renders with a torch-free twin of transformers' renderer; P/D pods take
-    its token ids as they are, so the two must agree exactly."""
+def test_template_errors_and_reserved_kwargs_are_prompt_errors(model_dir):
+    tok = PromptTokenizer(model_dir)
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}}
+    with pytest.raises(PromptError, match="chat_template_kwargs"):
+        tok.chat_ids(body)
+    with pytest.raises(PromptError, match="continue_final_message"):
+        tok.chat_ids({"messages": MESSAGES, "continue_final_message": True})
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_chat_ids_equal_transformers_tokenizing_its_own_rendering(models, arch):
+    """What a P/D pod takes as its prompt when the router tokenized it."""
     transformers = pytest.importorskip("transformers")
     model_dir = models.get(arch)
     hf = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    tok = PromptTokenizer(model_dir)
-    for messages, options in CONVERSATIONS:
-        continue_final = options.get("continue_final_message", False)
-        expected = hf.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=options.get("add_generation_prompt", True) and not continue_final,
-            continue_final_message=continue_final,
-        )
-        assert tok.render_chat({"messages": messages, **options}) == expected, (arch, messages)
+    body = {
+        "messages": [*MESSAGES, {"role": "assistant", "content": "once upon"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    want = hf.apply_chat_template(body["messages"], continue_final_message=True, return_dict=False)
+    assert PromptTokenizer(model_dir).chat_ids(body) == want
