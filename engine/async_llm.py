@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import subprocess
@@ -12,18 +11,19 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from epdserve.engine.config import EngineConfig
+from epdserve.engine.config import EngineConfig, encode_config
 from epdserve.engine.core.core_proc import ABORT, ADD, READY
 from epdserve.engine.core.engine_core import EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutputs, SchedulerStats
+from epdserve.engine.core.pixel_cache import PixelSender
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
-from epdserve.engine.outputs.output_processor import RequestState, StreamOutput
+from epdserve.engine.inputs.prompt import ProcessedPrompt
+from epdserve.engine.outputs.output_processor import RequestState, StreamOutput, fan_out
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
 
@@ -70,6 +70,7 @@ class AsyncLLM:
         self._tasks: list[asyncio.Task] = []
         self._encode = msgspec.msgpack.Encoder()
         self._decode = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.pixels = PixelSender()  # mirrors the core's PixelReceiver
 
     # --- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -95,7 +96,7 @@ class AsyncLLM:
         )
         # the config on stdin, not argv: a store URL's password must not show in `ps`
         try:
-            self.proc.stdin.write(json.dumps(asdict(self.config)).encode())
+            self.proc.stdin.write(encode_config(self.config))
             self.proc.stdin.close()
         except BrokenPipeError:  # it died at once; _wait_ready reports its exit
             pass
@@ -163,13 +164,17 @@ class AsyncLLM:
         return self.dead is None and self.proc is not None and self.proc.poll() is None
 
     # --- requests ----------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        """Requests being served now."""
+        return len(self.states)
+
     async def generate(
         self,
-        prompt_token_ids: list[int],
+        prompt: ProcessedPrompt,
         params: SamplingParams,
         request_id: str | None = None,
         kv_transfer_params: dict | None = None,
-        mm_features: list | None = None,
         cache_salt: str | None = None,
         label: str | None = None,
     ) -> AsyncIterator[StreamOutput]:
@@ -179,23 +184,25 @@ class AsyncLLM:
         if self.dead:
             raise EngineDeadError(self.dead)
         request_id = request_id or uuid.uuid4().hex
-        children = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]
-        if request_id in self.states or any(c in self.child_to_state for c in children):
+        state, children = fan_out(request_id, params, self.tokenizer, time.monotonic())
+        if request_id in self.states or any(c in self.child_to_state for c, _ in children):
             raise RequestFailedError(f"request id {request_id} is already in flight", 500)
-        state = RequestState(request_id, children, params, self.tokenizer, time.monotonic())
         state.label = label  # for the output loop's test fault injection
+        # pixels only for images the core does not hold: made off the loop, before any send
+        missing = self.pixels.missing(prompt.items)
+        if missing:  # (one evicted meanwhile is made at send time: rare, and still right)
+            await asyncio.to_thread(lambda: [i.pixels() for i in missing])
         self.states[request_id] = state
-        for i, child_id in enumerate(children):
+        for child_id, child_params in children:
             self.child_to_state[child_id] = state
-            child = params.for_child(i) if params.n > 1 else params
             req = EngineCoreRequest(
                 child_id,
-                prompt_token_ids,
-                child,
+                prompt.token_ids,
+                child_params,
                 None,
                 time.monotonic(),
                 kv_transfer_params,
-                mm_features or [],
+                self.pixels.features(prompt.items),  # no await between this and the send
                 cache_salt,
                 label,
             )
@@ -203,8 +210,10 @@ class AsyncLLM:
             await self.input.send_multipart([self.core_identity, ADD, frame])
             if self.metrics:
                 self.metrics.core_input_bytes.inc(len(frame))
+        for item in prompt.items:  # the core holds the pixels now; this process needs none
+            item.source = None
         if self.metrics:
-            self.metrics.on_request_added(len(prompt_token_ids), params)
+            self.metrics.on_request_added(len(prompt.token_ids), params)
         try:
             while True:
                 out = await state.get()
@@ -216,7 +225,7 @@ class AsyncLLM:
                         raise RequestFailedError(out.error, state.error_status)
                     break
         finally:
-            self._forget(state, children, finished=state.finished)
+            self._forget(state, [c for c, _ in children], finished=state.finished)
 
     def _forget(self, state: RequestState, children: list[str], finished: bool) -> None:
         self.states.pop(state.request_id, None)

@@ -16,7 +16,7 @@ class MMFeature(msgspec.Struct, array_like=True):
     identifier: str
     offset: int  # first placeholder token position in the prompt
     length: int  # number of placeholder tokens
-    data: bytes  # raw little-endian buffer of the processed pixels
+    data: bytes  # raw little-endian buffer of the processed pixels; b"": named only
     shape: list[int]
     dtype: str = "float32"
 
@@ -25,7 +25,10 @@ class MMFeature(msgspec.Struct, array_like=True):
         return self.offset + self.length
 
     def check_buffer(self, index: int) -> None:
-        """Refuse pixels whose bytes do not fill their shape (``ValueError`` naming it)."""
+        """Refuse pixels whose bytes do not fill their shape (``ValueError`` naming it).
+        No pixels at all is valid: the item is named only (see ``engine/core/pixel_cache``)."""
+        if not self.data and not self.shape:
+            return
         numel = 1
         for d in self.shape:
             numel *= d

@@ -103,10 +103,12 @@ class EncoderScheduler:
         return inputs
 
     def remote_items(self, requests: dict, inputs: dict[str, list[int]]) -> list[str]:
-        """Which of this step's encoder inputs another pod already stored (load, don't encode)."""
-        if self.ec is None or not inputs:
+        """This step's encoder inputs to load from the shared store rather than encode: all
+        of them on a consumer pod (one GET each; what misses is encoded, or fails its request
+        when the pod never got its pixels). No existence check first: the pod that named an
+        item without pixels (a processed prompt) was told it is stored."""
+        if self.ec is None or not self.ec.config.is_consumer or not inputs:
             return []
-        ids = sorted(
+        return sorted(
             {requests[r].mm_features[i].identifier for r, idxs in inputs.items() for i in idxs}
         )
-        return [m for m, found in zip(ids, self.ec.has_cache_item(ids), strict=True) if found]

@@ -1,178 +1,183 @@
-"""Prompt + images -> token ids with expanded image placeholders + pixel tensors.
+"""The one input processor: render -> tokenize -> images -> ``ProcessedPrompt``.
 
-Pixels come from the model's HF image processor (cached by multimodal hash, LRU); the
-placeholder expansion is the HF processor's own (``replace_image_token``), tokenized with the
-engine's tokenizer, so token ids match ``Gemma3Processor`` exactly.
-
-Pan-and-scan (``do_pan_and_scan``): a wide or tall image also yields up to N crops, each
-its own placeholder span after the original's; each crop is one engine item, named
-``<image id>.<crop>``, so crops are encoded, cached and shared like images.
+The OpenAI server, the offline ``LLM`` and ``/tokenize`` all come through here; it is the
+only place that knows chat templates and image processors. Errors are ``ValueError``s whose
+message starts with the request part they name.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from epdserve.engine.inputs.hashing import mm_hash
-from epdserve.engine.inputs.images import LoadedImage
-from epdserve.engine.tokenizer import TokenizerInfo
-
-
-@dataclass
-class MMItem:
-    identifier: str
-    pixel_values: np.ndarray  # [3, H, W] float32
-    offset: int  # first placeholder token position in the prompt
-    length: int  # number of placeholder tokens
+from epdserve.common.chat_parts import image_parts
+from epdserve.engine.inputs.budget import check_request_pixels
+from epdserve.engine.inputs.image_processor import ImageProcessor, check_processor_kwargs
+from epdserve.engine.inputs.images import ImageLimits, LoadedImage, load_image_url_async
+from epdserve.engine.inputs.prompt import ProcessedPrompt, PromptRules, from_wire
+from epdserve.engine.tokenizer import RESERVED_TEMPLATE_KWARGS, TokenizerInfo
 
 
-@dataclass
-class ProcessedPrompt:
-    token_ids: list[int]
-    mm_items: list[MMItem]
+def is_multimodal(model_dir: str) -> bool:
+    path = Path(model_dir) / "config.json"
+    return path.is_file() and "vision_config" in json.loads(path.read_text())
 
 
-class ProcessorCache:
-    """LRU of processed pixels by multimodal hash; counts queries and hits."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.items: OrderedDict[str, np.ndarray] = OrderedDict()
-        self.queries = 0
-        self.hits = 0
-
-    def get(self, key: str) -> np.ndarray | None:
-        self.queries += 1
-        value = self.items.get(key)
-        if value is not None:
-            self.hits += 1
-            self.items.move_to_end(key)
-        return value
-
-    def put(self, key: str, value: np.ndarray) -> None:
-        self.items[key] = value
-        self.items.move_to_end(key)
-        while len(self.items) > self.capacity:
-            self.items.popitem(last=False)
-
-
-PROCESSOR_KWARGS = {
-    "do_pan_and_scan": bool,
-    "pan_and_scan_min_crop_size": int,
-    "pan_and_scan_max_num_crops": int,
-    "pan_and_scan_min_ratio_to_activate": (int, float),
-}
-
-
-def check_processor_kwargs(kwargs, where: str = "mm_processor_kwargs") -> dict:
-    """Validate image-processor options: known names, right types, sane values."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
-        raise ValueError(f"{where}: must be an object, got {type(kwargs).__name__}")
-    for name, value in kwargs.items():
-        kind = PROCESSOR_KWARGS.get(name)
-        if kind is None:
-            raise ValueError(
-                f"{where}.{name}: unknown option; supported: {', '.join(PROCESSOR_KWARGS)}"
-            )
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise ValueError(f"{where}.{name}: wrong type {type(value).__name__}")
-        if kind is not bool and not 0 < value <= 4096:
-            raise ValueError(f"{where}.{name}: must be in (0, 4096], got {value}")
-    return dict(kwargs)
-
-
-class ImageProcessor:
-    """The frontend's multimodal input processor for one image+text model."""
+class InputProcessor:
+    """Turns one model's requests into processed prompts."""
 
     def __init__(
         self,
         model_dir: str,
         model_id: str,
-        tokenizer: TokenizerInfo,
-        cache_items: int = 256,
+        tokenizer: TokenizerInfo | None = None,
+        image_limits: ImageLimits | None = None,
         max_images: int = 8,
         processor_kwargs: dict | None = None,
     ):
-        from transformers import AutoProcessor
-
-        self.hf = AutoProcessor.from_pretrained(model_dir)
+        self.tok = tokenizer or TokenizerInfo(model_dir)
         self.model_id = model_id
-        self.tok = tokenizer
-        self.cache = ProcessorCache(cache_items)
+        self.image_limits = image_limits or ImageLimits()
         self.max_images = max_images
-        self.boi_token = self.hf.boi_token
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.image_token_id = config["image_token_index"]  # the soft token, not the marker
-        self.size = dict(self.hf.image_processor.size)
-        defaults = getattr(self.hf, "images_kwargs", {})
-        self.defaults = {k: defaults[k] for k in PROCESSOR_KWARGS if k in defaults}
-        self.defaults.update(check_processor_kwargs(processor_kwargs))
+        self.images: ImageProcessor | None = None
+        if is_multimodal(model_dir):
+            self.images = ImageProcessor(
+                model_dir, model_id, self.tok, max_images, processor_kwargs
+            )
+        images = self.images
+        self.rules = PromptRules(
+            self.tok.vocab_size,
+            images.image_token_id if images else None,
+            images.tokens_per_image if images else 0,
+            max_images * (1 + images.max_crops) if images else 0,
+        )
 
-    def process(
+    # --- completions --------------------------------------------------------------------
+    def completion(self, prompt, add_special_tokens: bool = True) -> ProcessedPrompt:
+        """A text prompt (tokenized here) or token ids (checked against the vocabulary)."""
+        if isinstance(prompt, str):
+            ids = self.tok.encode(prompt, add_special_tokens=add_special_tokens)
+            text = prompt
+        else:
+            if any(type(t) is not int or not 0 <= t < self.tok.vocab_size for t in prompt):
+                raise ValueError("prompt: token ids must be within the vocabulary")
+            ids, text = list(prompt), None
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        return ProcessedPrompt(ids, [], text)
+
+    def prompt_text(self, prompt: ProcessedPrompt) -> str:
+        """The prompt's text (decoded from its ids when it came as ids)."""
+        if prompt.text is None:
+            prompt.text = self.tok.decode(prompt.token_ids, False)
+        return prompt.text
+
+    # --- chat ---------------------------------------------------------------------------
+    def check_chat_images(self, messages: list[dict]) -> list[tuple[str, str]]:
+        """``(url, part name)`` of the images of plain-JSON ``messages``, checked (cheap)."""
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if part.get("type") not in ("text", "image_url"):
+                    raise ValueError(
+                        f"messages[{i}].content[{j}].type: {part.get('type')!r} is not "
+                        "supported (text or image_url)"
+                    )
+        urls = []
+        for part in image_parts(messages):
+            if self.images is None:
+                raise ValueError(f"{part.where}: {self.model_id} is not a multimodal model")
+            if part.url is None:
+                raise ValueError(f"{part.where}: an image part needs image_url.url")
+            urls.append((part.url, part.where))
+            if len(urls) > self.max_images:
+                raise ValueError(f"{part.where}: at most {self.max_images} images per request")
+        return urls
+
+    async def chat(
         self,
-        prompt: str,
-        images: list[LoadedImage],
-        add_special_tokens: bool = False,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
         processor_kwargs: dict | None = None,
     ) -> ProcessedPrompt:
-        if len(images) > self.max_images:
-            raise ValueError(
-                f"messages: at most {self.max_images} images per request, got {len(images)}"
-            )
-        if prompt.count(self.boi_token) != len(images):
-            raise ValueError(
-                f"prompt: has {prompt.count(self.boi_token)} image markers "
-                f"({self.boi_token}) for {len(images)} images"
-            )
-        options = {**self.defaults, **check_processor_kwargs(processor_kwargs)}
-        if not options.get("do_pan_and_scan"):  # the other options only matter with it
-            options = {}
-        named = []  # (identifier, [1 + crops, 3, H, W]) per image
-        for image in images:
-            # hashed from the encoded bytes: a cached image is never decoded again
-            ident = mm_hash(
-                self.model_id, "image", image.item_bytes(), {"size": self.size, **options}
-            )
-            pixels = self.cache.get(ident)
-            if pixels is None:
-                pixels = self._pixels(image, options)
-                self.cache.put(ident, pixels)
-            named.append((ident, pixels))
-        parts = prompt.split(self.boi_token)
-        expanded = parts[0]
-        for (_, pixels), part in zip(named, parts[1:], strict=True):
-            expanded += self.hf.replace_image_token({"num_crops": [len(pixels) - 1]}, 0) + part
-        ids = self.tok.encode(expanded, add_special_tokens=add_special_tokens)
-        spans = iter(placeholder_spans(ids, self.image_token_id))
-        items = []
-        for ident, pixels in named:
-            for crop, crop_pixels in enumerate(pixels):
-                offset, length = next(spans)
-                name = ident if crop == 0 else f"{ident}.{crop}"
-                items.append(MMItem(name, crop_pixels, offset, length))
-        return ProcessedPrompt(ids, items)
+        """OpenAI chat ``messages`` (plain JSON) -> processed prompt. Images are fetched
+        concurrently, everything else runs in a worker thread."""
+        urls = self.check_chat_images(messages)
+        images = await asyncio.gather(
+            *(load_image_url_async(u, self.image_limits, w) for u, w in urls)
+        )
+        return await asyncio.to_thread(
+            self.render_chat,
+            messages,
+            images,
+            add_generation_prompt,
+            template_kwargs,
+            processor_kwargs,
+        )
 
-    def _pixels(self, image: LoadedImage, options: dict) -> np.ndarray:
-        """One image decoded and processed; its RGB image is released on return, before
-        the next image is decoded."""
-        out = self.hf.image_processor(images=[image.decode()], return_tensors="np", **options)
-        return np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+    def render_chat(
+        self,
+        messages: list[dict],
+        images: list[LoadedImage],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+        processor_kwargs: dict | None = None,
+    ) -> ProcessedPrompt:
+        text = self.tok.apply_chat_template(
+            template_messages(messages), add_generation_prompt, **(template_kwargs or {})
+        )
+        if processor_kwargs is not None and self.images is None:
+            raise ValueError("mm_processor_kwargs: this model takes no image inputs")
+        if images:
+            check_request_pixels(images, self.image_limits)  # before any image is decoded
+            prompt = self.images.process(text, images, False, processor_kwargs)
+        else:
+            check_processor_kwargs(processor_kwargs)
+            prompt = ProcessedPrompt(self.tok.encode(text, add_special_tokens=False), [], text)
+        if not prompt.token_ids:
+            raise ValueError("messages: the rendered prompt has no tokens")
+        return prompt
+
+    def prompt_with_images(
+        self,
+        text: str,
+        images: list[LoadedImage],
+        add_special_tokens: bool = True,
+        processor_kwargs: dict | None = None,
+    ) -> ProcessedPrompt:
+        """A text prompt holding the model's image markers, with its images (offline API)."""
+        if self.images is None:
+            raise ValueError("multi_modal_data: this model takes no image inputs")
+        check_request_pixels(images, self.image_limits)
+        return self.images.process(text, images, add_special_tokens, processor_kwargs)
+
+    # --- a prompt processed upstream ----------------------------------------------------
+    def accept(self, wire, template_kwargs: dict | None = None) -> ProcessedPrompt:
+        """A ``processed_prompt`` a previous pod (through the router) made: checked, taken
+        as is; its images are named only (their outputs are in the shared store)."""
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & (template_kwargs or {}).keys())
+        if reserved:  # refused as when this pod renders the template itself
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set")
+        return from_wire(wire, self.rules)
 
 
-def placeholder_spans(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of each run of image placeholder tokens, in order."""
-    spans, start = [], None
-    for i, t in enumerate([*ids, -1]):
-        if t == image_token_id and start is None:
-            start = i
-        elif t != image_token_id and start is not None:
-            spans.append((start, i - start))
-            start = None
-    return spans
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Template-ready messages: image parts (``image_url``, or the offline API's ``image``)
+    as ``{"type": "image"}``; a message of text parts only is one string."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [
+                {"type": "image"}
+                if p.get("type") in ("image_url", "image")
+                else {"type": "text", "text": p.get("text") or ""}
+                for p in content
+            ]
+            if not any(p["type"] == "image" for p in parts):
+                parts = "".join(p["text"] for p in parts)
+            content = parts
+        out.append({"role": message.get("role"), "content": content or ""})
+    return out

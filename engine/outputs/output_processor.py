@@ -172,5 +172,18 @@ class RequestState:
         return None, itl
 
 
+def fan_out(
+    request_id: str, params: SamplingParams, tok: TokenizerInfo, arrival: float
+) -> tuple[RequestState, list[tuple[str, SamplingParams]]]:
+    """One request's state and its ``n`` engine sequences: ``(child id, parameters)`` (the
+    request id itself when ``n`` is 1; each child of a seeded request gets its own seed)."""
+    if params.n == 1:
+        children = [(request_id, params)]
+    else:
+        children = [(f"{request_id}-{i}", params.for_child(i)) for i in range(params.n)]
+    state = RequestState(request_id, [c for c, _ in children], params, tok, arrival)
+    return state, children
+
+
 def _unpack(lp: Logprobs) -> list[tuple[list[int], list[float], int]]:
     return list(zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True))

@@ -7,6 +7,10 @@ import numpy as np
 import torch
 
 
+class MissingPixelsError(ValueError):
+    """An image named without pixels whose encoder output no store could give."""
+
+
 class EncoderOutputs:
     """Encoder outputs by identifier (freed when the scheduler says so); counts runs."""
 
@@ -34,6 +38,12 @@ class EncoderOutputs:
         todo = [f for f in features if f.identifier not in self.outputs]
         if not todo:
             return
+        for f in todo:
+            if not f.data:
+                raise MissingPixelsError(
+                    f"image {f.identifier[:16]}: its encoder output is not in the shared store "
+                    "and this pod never got its pixels; send the request again"
+                )
         pixels = torch.stack(
             [
                 torch.from_numpy(

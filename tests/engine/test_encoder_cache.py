@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from epdserve.engine.core.encoder_cache_manager import EncoderCacheManager
-from epdserve.engine.inputs.processor import ProcessorCache, placeholder_spans
+from epdserve.engine.inputs.prompt import placeholder_spans
 
 
 def test_first_use_misses_then_a_second_request_hits_and_shares():
@@ -40,16 +39,6 @@ def test_referenced_outputs_are_never_evicted():
         m.allocate("r3", "c", 1)
     m.free("r2", ["b"])
     assert m.can_allocate(4) and not m.can_allocate(5)
-
-
-def test_processor_cache_is_lru_and_counts_hits():
-    cache = ProcessorCache(2)
-    cache.put("a", np.zeros(1))
-    cache.put("b", np.zeros(1))
-    assert cache.get("a") is not None  # a becomes most recent
-    cache.put("c", np.zeros(1))  # evicts b
-    assert cache.get("b") is None and list(cache.items) == ["a", "c"]
-    assert (cache.queries, cache.hits) == (2, 1)
 
 
 def test_placeholder_spans_find_each_run():

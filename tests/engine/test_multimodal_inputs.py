@@ -77,7 +77,7 @@ def test_pixels_hash_when_no_encoded_bytes():
 def test_processing_matches_the_hf_processor(models):
     from transformers import AutoProcessor
 
-    from epdserve.engine.inputs.processor import ImageProcessor
+    from epdserve.engine.inputs.image_processor import ImageProcessor
     from epdserve.engine.tokenizer import TokenizerInfo
 
     path = str(models.get("gemma3"))
@@ -92,18 +92,16 @@ def test_processing_matches_the_hf_processor(models):
         text=prompt, images=[i.image for i in images], return_tensors="np"
     )
     assert ours.token_ids == hf["input_ids"][0].tolist()
-    for k, item in enumerate(ours.mm_items):
-        assert (item.pixel_values == hf["pixel_values"][k]).all()
+    for k, item in enumerate(ours.items):
+        assert (item.pixels() == hf["pixel_values"][k]).all()
         assert ours.token_ids[item.offset : item.offset + item.length] == [proc.image_token_id] * 4
     again = proc.process(prompt, images)
-    assert proc.cache.hits == 2 and [m.identifier for m in again.mm_items] == [
-        m.identifier for m in ours.mm_items
-    ]
-    assert ours.mm_items[0].identifier != ours.mm_items[1].identifier
+    assert [m.identifier for m in again.items] == [m.identifier for m in ours.items]
+    assert ours.items[0].identifier != ours.items[1].identifier
 
 
 def test_image_count_must_match_markers(models):
-    from epdserve.engine.inputs.processor import ImageProcessor
+    from epdserve.engine.inputs.image_processor import ImageProcessor
     from epdserve.engine.tokenizer import TokenizerInfo
 
     path = str(models.get("gemma3"))

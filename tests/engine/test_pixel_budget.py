@@ -169,11 +169,10 @@ def test_real_images_are_far_inside_the_structure_bound():
 
 @pytest.fixture(scope="module")
 def frontend(models):
-    from epdserve.engine.inputs.frontend import FrontendMultimodal
-    from epdserve.engine.tokenizer import TokenizerInfo
+    from epdserve.engine.inputs.processor import InputProcessor
 
     path = str(models.get("gemma3"))
-    return lambda limits: FrontendMultimodal(path, "tiny", TokenizerInfo(path), limits)
+    return lambda limits: InputProcessor(path, "tiny", image_limits=limits)
 
 
 @pytest.fixture
@@ -197,23 +196,29 @@ def prompt(n: int) -> str:
     return "<|im_start|>user\n" + "<start_of_image>" * n + "what?<|im_end|>\n"
 
 
-def test_images_are_decoded_one_at_a_time_and_a_cached_one_not_again(frontend, decodes):
-    mm = frontend(ImageLimits())
+def test_images_are_decoded_one_at_a_time_and_a_held_one_not_again(frontend, decodes):
+    from epdserve.engine.core.pixel_cache import PixelSender
+
+    mm, sender = frontend(ImageLimits()), PixelSender()
     images = [load(bombs.small("PNG", (40 + i, 30))) for i in range(3)]
-    ids, features = mm.process(prompt(3), images)
-    assert len(decodes) == 3 and len(features) == 3
-    again_ids, _ = mm.process(prompt(3), images)  # the processor cache: hashed, not decoded
-    assert len(decodes) == 3 and again_ids == ids
+    first = mm.prompt_with_images(prompt(3), images, False)
+    assert decodes == []  # named from their bytes: nothing decoded yet
+    features = sender.features(first.items)
+    assert len(decodes) == 3 and all(f.data for f in features)
+    again = mm.prompt_with_images(prompt(3), images, False)
+    assert sender.missing(again.items) == []  # the core holds their pixels
+    assert [f.data for f in sender.features(again.items)] == [b"", b"", b""]
+    assert len(decodes) == 3 and again.token_ids == first.token_ids
 
 
 def test_the_request_budget_is_checked_before_the_first_decode(frontend, decodes):
     mm = frontend(ImageLimits(max_pixels_per_request=5000))
-    images = [load(bombs.small("PNG", (50, 50)), mm.limits) for _ in range(2)]
-    images[1] = load_image_url(bombs.data_url(bombs.small("PNG", (51, 50))), mm.limits, "b")
+    images = [load(bombs.small("PNG", (50, 50)), mm.image_limits) for _ in range(2)]
+    images[1] = load_image_url(bombs.data_url(bombs.small("PNG", (51, 50))), mm.image_limits, "b")
     with pytest.raises(
         ValueError, match=r"^b: the request's images up to this one decode to 5,050"
     ):
-        mm.process(prompt(2), images)
+        mm.prompt_with_images(prompt(2), images, False)
     assert decodes == []
 
 
@@ -224,7 +229,8 @@ def serve_args(*argv: str):
 
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
-    return serve_cli.request_limits(parser.parse_args(["m", *argv]))[1]
+    args = parser.parse_args(["m", *argv])
+    return serve_cli.from_args(serve_cli.ServeOptions, args).request_limits()[1]
 
 
 def test_the_serve_flags_and_environment_set_both_bounds(monkeypatch):

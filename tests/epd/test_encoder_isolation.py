@@ -10,8 +10,9 @@ import pytest
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.encoder_core import EncoderCore
 from epdserve.engine.core.engine_core import EngineCoreRequest
-from epdserve.engine.inputs.frontend import FrontendMultimodal
+from epdserve.engine.core.pixel_cache import PixelSender
 from epdserve.engine.inputs.images import LoadedImage
+from epdserve.engine.inputs.processor import InputProcessor
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
 
@@ -26,7 +27,7 @@ def encoder(models, tmp_path_factory):
         role="encoder",
         ec_transfer_config=json.dumps({**ec, "ec_connector_extra_config": extra}),
     )
-    frontend = FrontendMultimodal(model, "tiny", TokenizerInfo(model))
+    frontend = InputProcessor(model, "tiny", TokenizerInfo(model))
     return EncoderCore(config), frontend
 
 
@@ -34,9 +35,12 @@ def request(frontend, req_id: str, color) -> EngineCoreRequest:
     from PIL import Image
 
     image = Image.new("RGB", (40, 30), color)
-    prompt = f"look {frontend.processor.boi_token} here"
-    ids, features = frontend.process(prompt, [LoadedImage(image, image.tobytes())])
-    return EngineCoreRequest(req_id, ids, SamplingParams(max_tokens=1), mm_features=features)
+    text = f"look {frontend.images.boi_token} here"
+    prompt = frontend.prompt_with_images(text, [LoadedImage(image, image.tobytes())], False)
+    features = PixelSender().features(prompt.items)
+    return EngineCoreRequest(
+        req_id, prompt.token_ids, SamplingParams(max_tokens=1), mm_features=features
+    )
 
 
 def test_a_failing_request_on_an_encoder_pod_fails_alone(encoder, monkeypatch):

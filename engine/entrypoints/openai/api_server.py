@@ -39,9 +39,9 @@ from epdserve.engine.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from epdserve.engine.entrypoints.openai.serving import OpenAIServing
-from epdserve.engine.metrics import EngineMetrics
-from epdserve.engine.inputs.frontend import FrontendMultimodal, is_multimodal
 from epdserve.engine.inputs.images import ImageLimits
+from epdserve.engine.inputs.processor import InputProcessor
+from epdserve.engine.metrics import EngineMetrics
 
 log = logging.getLogger("epdserve.server")
 
@@ -68,17 +68,15 @@ class ServerState:
         self.http = http or HTTPLimits()
         self.engine = AsyncLLM(config, self.metrics)
         limits = limits or RequestLimits()
-        self.serving = OpenAIServing(self.engine, served_model_name, limits)
-        self.serving.role = config.role
-        if is_multimodal(config.model):
-            self.serving.multimodal = FrontendMultimodal(
-                config.model,
-                served_model_name,
-                self.engine.tokenizer,
-                limits=image_limits,
-                max_images=limits.max_images,
-                processor_kwargs=config.mm_processor_kwargs,
-            )
+        inputs = InputProcessor(
+            config.model,
+            served_model_name,
+            self.engine.tokenizer,
+            image_limits,
+            limits.max_images,
+            config.mm_processor_kwargs,
+        )
+        self.serving = OpenAIServing(self.engine, served_model_name, inputs, limits, config.role)
         self.ready = False
         self.draining = False  # set on SIGTERM (drain.py): out of rotation, streams finish
         self.created = int(time.time())
@@ -246,25 +244,24 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         return await asyncio.to_thread(_tokenize, req)
 
     def _tokenize(req: TokenizeRequest) -> dict:
-        if req.messages is not None:
-            msgs = [
-                {
-                    "role": m.role,
-                    "content": m.content
-                    if isinstance(m.content, str)
-                    else "".join(p.text or "" for p in m.content or []),
-                }
-                for m in req.messages
-            ]
-            try:
-                text = serving.tok.apply_chat_template(msgs, req.add_generation_prompt)
-            except ValueError as exc:
-                raise from_value_error(exc) from exc
-            ids = serving.tok.encode(text, add_special_tokens=False)
-        elif req.prompt is not None:
-            ids = serving.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            raise APIError(400, "prompt: either prompt or messages is required", "prompt")
+        try:
+            if req.messages is not None:
+                messages = [  # text only: /tokenize takes no images
+                    {
+                        "role": m.role,
+                        "content": m.content
+                        if isinstance(m.content, str)
+                        else "".join(p.text or "" for p in m.content or []),
+                    }
+                    for m in req.messages
+                ]
+                ids = serving.inputs.render_chat(messages, [], req.add_generation_prompt).token_ids
+            elif req.prompt is not None:
+                ids = serving.inputs.completion(req.prompt, req.add_special_tokens).token_ids
+            else:
+                raise APIError(400, "prompt: either prompt or messages is required", "prompt")
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
         return {
             "count": len(ids),
             "max_model_len": state.engine.max_model_len,

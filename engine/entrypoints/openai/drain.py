@@ -34,7 +34,7 @@ class DrainingServer(uvicorn.Server):
             log.info(
                 "draining: %s; %d request(s) in flight, up to %ss to finish",
                 signal.Signals(sig).name,
-                len(self.state.engine.states),
+                self.state.engine.num_in_flight,
                 self.config.timeout_graceful_shutdown,
             )
         super().handle_exit(sig, frame)

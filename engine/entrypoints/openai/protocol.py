@@ -53,6 +53,9 @@ class _Common(_ValidText):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
+    # the prompt as a previous pod of the pool processed it (engine/inputs/prompt.py): this
+    # pod then neither renders, tokenizes nor loads images
+    processed_prompt: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -129,9 +132,6 @@ class ChatCompletionRequest(_Common):
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # e.g. {"do_pan_and_scan": true}
-    # the rendered, tokenized prompt when a router already made it (text-only messages):
-    # the pod then neither renders nor tokenizes again
-    prompt_token_ids: list[int] | None = None
 
 
 class TokenizeRequest(_ValidText):

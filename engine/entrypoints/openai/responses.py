@@ -52,18 +52,18 @@ def chat_logprobs(serving: OpenAIServing, entries: list) -> dict:
     return {"content": content}
 
 
-def echoed(prep: Prepared, prompt_index: int, echo: bool) -> str:
+def echoed(serving: OpenAIServing, prep: Prepared, prompt_index: int, echo: bool) -> str:
     """What ``echo`` puts before the generated text: the prompt (completions), or the last
     message when it is the assistant's own, being continued (chat, as vLLM)."""
     if not echo:
         return ""
     if prep.kind == "chat":
         return prep.echo_text
-    return prep.texts[prompt_index] or ""
+    return serving.inputs.prompt_text(prep.prompts[prompt_index])
 
 
 def usage(prep: Prepared, acc: Accumulator) -> dict:
-    prompt = sum(len(p) for p in prep.prompts)
+    prompt = sum(len(p.token_ids) for p in prep.prompts)
     completion = sum(acc.tokens)
     return {
         "prompt_tokens": prompt,
@@ -93,7 +93,7 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
     chat = prep.kind == "chat"
     choices = []
     for c in range(len(acc.text)):
-        prefix = echoed(prep, c // n, echo)
+        prefix = echoed(serving, prep, c // n, echo)
         choice = {
             "index": c,
             "finish_reason": acc.finish[c],
@@ -120,6 +120,7 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
         "usage": usage(prep, acc),
         "kv_transfer_params": kv_transfer_params,
         "ec_transfer_params": ec_transfer_params,
+        **({"processed_prompt": prep.prompts[0].to_wire()} if prep.return_prompt else {}),
     }
 
 
@@ -166,7 +167,7 @@ async def stream_response(
                 continue
             text = seq.text
             if not started[c]:
-                text = echoed(prep, i, echo) + text
+                text = echoed(serving, prep, i, echo) + text
             started[c] = True
             acc.tokens[c] += len(seq.token_ids)
             choice = {
