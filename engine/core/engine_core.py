@@ -229,7 +229,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
-        self.scheduler.solo_id = self.guard.solo(self.scheduler.requests)
+        self.guard.choose_solo(self.scheduler)
         try:
             sched = self.scheduler.schedule()
         except Exception as exc:  # a scheduler fault is contained like an execution fault

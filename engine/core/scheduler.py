@@ -8,7 +8,7 @@ lowest-priority running request is preempted (recomputed later).
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from epdserve.connectors.kv_connector import ScheduledRequest
 from epdserve.engine.core.interfaces import (
@@ -27,6 +27,13 @@ from epdserve.engine.kv_transfer.coordinator import LoadStart
 
 if TYPE_CHECKING:
     from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
+
+
+class UndoneSchedule(NamedTuple):
+    """What ``Scheduler.undo_schedule`` found of a ``schedule()`` that raised midway."""
+
+    culprit: str | None  # the request it was handling when it raised, if any
+    scheduled: list[str]  # the requests it had scheduled before that
 
 
 class Scheduler:
@@ -51,7 +58,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
         self.prompt_sources = [0, 0, 0]  # prompt tokens: computed, local cache hit, loaded
-        self.solo_id: str | None = None  # set by the step guard: schedule only this request
+        self.solo_id: str | None = None  # see run_solo()
+        self.untold_encoder_frees: list[str] = []  # of a rolled-back step, told with the next
         self.update_failures: list[tuple[str, Exception]] = []  # of the last update
         # what schedule() is doing, so that a step that raised midway can be undone
         self.scheduling: Request | None = None
@@ -108,13 +116,20 @@ class Scheduler:
         del self.requests[request.request_id]
         return result
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def request_ids(self) -> list[str]:
+        """Every live request, in arrival order."""
+        return list(self.requests)
+
     def has_unfinished_requests(self) -> bool:
         pending = self.kv_transfer is not None and self.kv_transfer.has_pending()
         return bool(self.waiting or self.running or pending)
 
     # --- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """This step's batch. If it raises, ``step_guard.undo_schedule`` puts every request back."""
+        """This step's batch. If it raises, ``undo_schedule()`` puts every request back."""
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         self.scheduling, self._step_scheduled, self._step_advanced = None, num_scheduled, False
@@ -293,7 +308,8 @@ class Scheduler:
             out.encoder_loads = self.encoder.remote_items(
                 self.requests, out.scheduled_encoder_inputs
             )
-            out.free_encoder_ids = self.encoder.cache.take_freed()
+            freed = self.encoder.cache.take_freed()
+            out.free_encoder_ids, self.untold_encoder_frees = self.untold_encoder_frees + freed, []
         if self.kv_transfer is not None:
             out.kv_connector_metadata = self.kv_transfer.build_meta(
                 [
@@ -302,6 +318,66 @@ class Scheduler:
                 ]
             )
         return out
+
+    # --- for the step guard --------------------------------------------------------------
+    def run_solo(self, request_id: str | None) -> None:
+        """From the next ``schedule()`` on, schedule only ``request_id`` (running requests
+        are preempted when it needs their blocks); None: schedule every request again.
+        Mutates only which request ``schedule()`` picks."""
+        self.solo_id = request_id
+
+    def rollback(self, sched: SchedulerOutput) -> list[str]:
+        """Undo the step ``sched`` whose forward never ran (or raised): returns the requests
+        of its batch that were still running, now preempted (recomputed later, token-exact).
+        Mutates: the connector forgets the step's planned saves (its loads go out with the
+        next step); the KV manager un-names the blocks those requests named in the prefix
+        cache this step (their KV may never have been written) and frees or holds their
+        blocks; ``running``/``waiting``; the step's finished request ids and freed encoder
+        outputs are told to the runner with the next step."""
+        if self.kv_transfer is not None:  # first: preempting asks who is still saving
+            self.kv_transfer.step_failed(sched.kv_connector_metadata)
+        batch = []
+        for req_id, n in sched.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.kv.forget_uncomputed(request, request.num_computed_tokens - n)
+            self.preempt(request)
+            batch.append(req_id)
+        self.finished_req_ids.update(sched.finished_req_ids)
+        self.untold_encoder_frees += sched.free_encoder_ids
+        return batch
+
+    def undo_schedule(self) -> UndoneSchedule:
+        """Undo a ``schedule()`` that raised midway. Mutates: every running request is
+        preempted (recomputed later, token-exact) once the KV manager un-names the blocks
+        this step named past its computed tokens; requests it had taken off the queue go
+        back to it (blocks their admission named are un-named and freed); if it had built
+        its output, that output's finished request ids and freed encoder outputs are told
+        to the runner with the next step."""
+        culprit, self.scheduling = self.scheduling, None
+        scheduled, self._step_scheduled = self._step_scheduled, {}
+        advanced = scheduled if self._step_advanced else {}
+        out, self._step_output, self._step_advanced = self._step_output, None, False
+        if out is not None:
+            self.finished_req_ids.update(out.finished_req_ids)
+            self.untold_encoder_frees += out.free_encoder_ids
+        if culprit is not None and culprit.status != RequestStatus.RUNNING:
+            self.kv.forget_uncomputed(culprit, 0)  # what its admission may have named
+        for request in list(self.running):
+            computed = request.num_computed_tokens - advanced.get(request.request_id, 0)
+            self.kv.forget_uncomputed(request, computed)
+            self.preempt(request)
+        queued = {id(r) for r in self.waiting}
+        for request in list(self.requests.values()):
+            if id(request) in queued or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            self.kv.forget_uncomputed(request, 0)
+            if request.status == RequestStatus.RUNNING:  # taken off ``running`` midway
+                self.preempt(request)
+            else:
+                self.waiting.appendleft(request)
+        return UndoneSchedule(culprit.request_id if culprit is not None else None, list(scheduled))
 
     # --- after the forward -------------------------------------------------------------
     def update_from_output(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
-from epdserve.engine.core.interfaces import ModelRunnerOutput
+from epdserve.engine.core.interfaces import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
+from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
-from epdserve.engine.core.scheduler import Scheduler
+from epdserve.engine.core.scheduler import Scheduler, UndoneSchedule
+from epdserve.engine.core.step_guard import InjectedFault
 from epdserve.engine.sampling_params import SamplingParams
 
 BS = 4
@@ -139,3 +143,91 @@ def test_second_request_with_shared_prefix_reports_cached_tokens():
     out, outputs = run_step(s)
     assert out.num_scheduled_tokens["b"] == 1
     assert outputs[-1].num_cached_tokens == 12
+
+
+# --- the step guard's methods: rollback(), undo_schedule(), run_solo() ---------------------
+def test_rollback_preempts_the_batch_and_unnames_only_the_blocks_named_that_step():
+    s = make_scheduler()
+    s.add_request(make_request("a", 10))
+    s.add_request(make_request("c", 4, first=90))
+    run_step(s)  # a = [1, 2, 3] (1 and 2 computed and named), c = [4]
+    s.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    s.add_request(make_request("b", 6, first=50))
+    failed = s.schedule()  # a: one token; b: [5, 6], 5 named before its KV is written
+    assert failed.num_scheduled_tokens == {"a": 1, "b": 6} and failed.finished_req_ids == ["c"]
+    a, b, pool = s.requests["a"], s.requests["b"], s.kv.pool
+    assert s.rollback(failed) == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["b", "a"] and not s.running
+    assert (a.status, a.num_computed_tokens) == (RequestStatus.PREEMPTED, 0)
+    assert (b.status, b.num_computed_tokens) == (RequestStatus.PREEMPTED, 0)
+    assert [pool.get_cached_block(h).block_id for h in a.block_hashes] == [1, 2]
+    assert pool.get_cached_block(b.block_hashes[0]) is None
+    assert s.kv.num_free_blocks() == 19
+    assert all(pool.get_cached_block(h).ref_cnt == 0 for h in a.block_hashes)
+    pool.check_integrity()
+    again = s.schedule()  # c is told again, with the preempted pair
+    assert again.finished_req_ids == ["a", "b", "c"]
+    assert again.num_scheduled_tokens == {"b": 6, "a": 3}
+    assert [(r.block_ids, r.num_computed_tokens) for r in again.scheduled_new_reqs] == [
+        ([[7, 8]], 0),
+        ([[1, 2, 9]], 8),  # a's computed prefix is still served from the cache
+    ]
+
+
+def test_rollback_tells_the_runner_the_failed_steps_freed_encoder_outputs_once():
+    kv = KVCacheManager(20, BS)
+    s = Scheduler(kv, 8, 64, 64, encoder=EncoderScheduler(cache_tokens=64, budget_tokens=64))
+    failed = SchedulerOutput([], CachedRequestData([], [], []), {}, 0, ["gone"])
+    failed.free_encoder_ids = ["img-1"]
+    assert s.rollback(failed) == []
+    out = s.schedule()
+    assert (out.finished_req_ids, out.free_encoder_ids) == (["gone"], ["img-1"])
+    out = s.schedule()
+    assert (out.finished_req_ids, out.free_encoder_ids) == ([], [])
+
+
+def test_undo_schedule_names_the_request_it_was_handling_and_requeues_everyone(monkeypatch):
+    s = make_scheduler()
+    s.add_request(make_request("a", 10))
+    run_step(s)
+    s.add_request(make_request("b", 6, first=50))
+    monkeypatch.setenv("EPDSERVE_INJECT_FAULT", "schedule:b")
+    with pytest.raises(InjectedFault):
+        s.schedule()  # a was scheduled, then b raised
+    assert s.undo_schedule() == UndoneSchedule("b", ["a"])
+    a = s.requests["a"]
+    assert [r.request_id for r in s.waiting] == ["a", "b"] and not s.running
+    assert (a.status, a.num_computed_tokens) == (RequestStatus.PREEMPTED, 0)
+    assert s.kv.num_free_blocks() == 19
+    s.kv.pool.check_integrity()
+    monkeypatch.delenv("EPDSERVE_INJECT_FAULT")
+    out = s.schedule()
+    assert out.finished_req_ids == ["a"] and out.num_scheduled_tokens == {"a": 3, "b": 6}
+
+
+def test_run_solo_admits_only_that_request_and_preempts_the_last_running_for_its_blocks():
+    s = make_scheduler(num_blocks=5)
+    s.add_request(make_request("a", 8, max_tokens=8))
+    s.add_request(make_request("b", 8, max_tokens=8, first=50))
+    run_step(s)  # a = [1, 2], b = [3, 4]: no block left
+    s.add_request(make_request("c", 4, first=90))
+    s.run_solo("c")
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"c": 4} and out.finished_req_ids == ["b"]
+    assert [r.block_ids for r in out.scheduled_new_reqs] == [[[4]]]  # b's, freed tail first
+    assert s.requests["b"].status == RequestStatus.PREEMPTED
+    assert [r.request_id for r in s.running] == ["a", "c"] and s.requests[
+        "a"
+    ].num_computed_tokens == 8
+    assert s.schedule().num_scheduled_tokens == {}  # still solo: a waits, c is computed
+    s.run_solo(None)
+    assert s.schedule().num_scheduled_tokens == {"a": 1}
+
+
+def test_run_solo_schedules_only_that_running_request():
+    s = make_scheduler()
+    s.add_request(make_request("a", 6))
+    s.add_request(make_request("b", 6, first=50))
+    run_step(s)
+    s.run_solo("b")
+    assert s.schedule().num_scheduled_tokens == {"b": 1}
