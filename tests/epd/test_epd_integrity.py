@@ -16,6 +16,7 @@ import httpx
 import pytest
 from serving_support import ServerProcess
 
+from epdserve.common import metrics_text
 from epdserve.connectors.storage import create_store, ec_key
 from epdserve.engine.kv_transfer.setup import encoder_fingerprint
 
@@ -83,11 +84,7 @@ def tokens(response: dict) -> list[str]:
 
 def rejected(server, reason: str) -> float:
     body = httpx.get(server.url + "/metrics", timeout=5).text
-    for line in body.splitlines():
-        if line.startswith(REJECTED + "{") and 'kind="encoder_output"' in line:
-            if f'reason="{reason}"' in line:
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metrics_text.total(body, REJECTED, kind="encoder_output", reason=reason)
 
 
 class Pool:
