@@ -29,7 +29,8 @@ import tempfile
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from epdserve.common import metrics_text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -119,11 +120,9 @@ def pod_counters(pods: list[str]) -> dict[str, float]:
     sums = {"epdserve:model_cpu_seconds": 0.0, "epdserve:core_input_bytes": 0.0}
     for url in pods:
         text = httpx.get(url + "/metrics", timeout=30).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name = sample.name.removesuffix("_total")
-                if name in sums and sample.name.endswith("_total"):
-                    sums[name] += sample.value
+        samples = metrics_text.parse(text)
+        for name in sums:
+            sums[name] += metrics_text.total(samples, name + "_total")
     return sums
 
 

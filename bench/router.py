@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from epdserve.common import metrics_text
 from epdserve.connectors.kv_events import (
     BlockRemoved,
     BlockStored,
@@ -274,16 +275,11 @@ async def drive(router_url: str, prompts: list[str], concurrency: int) -> dict:
 
 
 def pod_counters(urls: list[str]) -> tuple[float, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     hits = queries = 0.0
     for url in urls:
-        for fam in text_string_to_metric_families(
-            httpx.get(url.split(",")[0] + "/metrics", timeout=5).text
-        ):
-            for s in fam.samples:
-                hits += s.value if s.name == "vllm:prefix_cache_hits_total" else 0
-                queries += s.value if s.name == "vllm:prefix_cache_queries_total" else 0
+        samples = metrics_text.parse(httpx.get(url.split(",")[0] + "/metrics", timeout=5).text)
+        hits += metrics_text.total(samples, "vllm:prefix_cache_hits_total")
+        queries += metrics_text.total(samples, "vllm:prefix_cache_queries_total")
     return hits, queries
 
 

@@ -56,18 +56,6 @@ def condition(pool: dict | None, ctype: str) -> dict:
     return next((c for c in conditions if c["type"] == ctype), {})
 
 
-def metric_total(text: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus metric's samples whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        head, _, value = line.rpartition(" ")
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
 def pod_names(cluster, selector: str) -> list[str]:
     return sorted(p["metadata"]["name"] for p in cluster.pods(NS, selector))
 

@@ -27,10 +27,11 @@ from pools_e2e import (
     Workers,
     example,
     for_this_machine,
-    metric_total,
     ready_pod_ips,
     write,
 )
+
+from epdserve.common import metrics_text
 
 pytestmark = pytest.mark.e2e
 ELASTIC, FIXED = "elastic", "elastic-fixed"
@@ -173,17 +174,21 @@ class Watch:
         for role in ("prefill", "decode"):
             for ip in ready_pod_ips(self.cluster, self._selector(role)):
                 try:
-                    text = httpx.get(f"http://{ip}:8000/metrics", timeout=3).text
-                except httpx.HTTPError:
+                    page = metrics_text.parse(
+                        httpx.get(f"http://{ip}:8000/metrics", timeout=3).text
+                    )
+                except (httpx.HTTPError, ValueError):
                     continue
                 self.counters[ip] = {
                     "role": role,
-                    "queries": metric_total(text, "vllm:prefix_cache_queries_total"),
-                    "hits": metric_total(text, "vllm:prefix_cache_hits_total"),
-                    "external_queries": metric_total(
-                        text, "vllm:external_prefix_cache_queries_total"
+                    "queries": metrics_text.total(page, "vllm:prefix_cache_queries_total"),
+                    "hits": metrics_text.total(page, "vllm:prefix_cache_hits_total"),
+                    "external_queries": metrics_text.total(
+                        page, "vllm:external_prefix_cache_queries_total"
                     ),
-                    "external_hits": metric_total(text, "vllm:external_prefix_cache_hits_total"),
+                    "external_hits": metrics_text.total(
+                        page, "vllm:external_prefix_cache_hits_total"
+                    ),
                 }
 
     def hit_rates(self) -> dict:
@@ -218,13 +223,12 @@ def router_view(cluster, name: str) -> dict:
     matched = total = 0.0
     tiers = {"local": 0.0, "store": 0.0}
     for ip in ready_pod_ips(cluster, f"epdserve.io/router={name}"):
-        text = httpx.get(f"http://{ip}:8000/metrics", timeout=10).text
-        matched += metric_total(
-            text, "epdserve_router:decision_prefix_blocks_total", kind="matched"
-        )
-        total += metric_total(text, "epdserve_router:decision_prefix_blocks_total", kind="total")
+        page = metrics_text.parse(httpx.get(f"http://{ip}:8000/metrics", timeout=10).text)
+        decided = "epdserve_router:decision_prefix_blocks_total"
+        matched += metrics_text.total(page, decided, kind="matched")
+        total += metrics_text.total(page, decided, kind="total")
         for tier in tiers:
-            tiers[tier] += metric_total(text, "epdserve_router:index_blocks", tier=tier)
+            tiers[tier] += metrics_text.total(page, "epdserve_router:index_blocks", tier=tier)
     return {"prefix_ratio": round(matched / total, 4) if total else None, "index_blocks": tiers}
 
 

@@ -12,6 +12,8 @@ from capabilities import encoder_role_gap
 from cluster import wait_for
 from pools_e2e import NS, example, for_this_machine, readable_copy, ready_pod_ips, write
 
+from epdserve.common import metrics_text
+
 pytestmark = pytest.mark.e2e
 
 
@@ -32,12 +34,8 @@ def chat(url: str, body: dict) -> dict:
 
 def encoder_cache_hits(text: str) -> float:
     """Sum of every sample whose metric name mentions encoder cache hits."""
-    total = 0.0
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if not line.startswith("#") and "encoder_cache" in name and "hit" in name:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    samples = metrics_text.parse(text)
+    return sum(s.value for s in samples if "encoder_cache" in s.name and "hit" in s.name)
 
 
 def pool_hits(ips: list[str]) -> float:

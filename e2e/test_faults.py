@@ -23,11 +23,12 @@ from pools_e2e import (
     Workers,
     example,
     for_this_machine,
-    metric_total,
     pod_names,
     ready_pod_ips,
     write,
 )
+
+from epdserve.common import metrics_text
 
 pytestmark = pytest.mark.e2e
 NAME = "faults"
@@ -179,7 +180,8 @@ def test_scaling_up_adds_pods_to_routing(pool):
             t.join()
         text = httpx.get(f"http://{router_ip}:8000/metrics", timeout=10).text
         return all(
-            metric_total(text, "epdserve_router:requests_total", pod=f"{ip}:8000") > 0 for ip in ips
+            metrics_text.total(text, "epdserve_router:requests_total", pod=f"{ip}:8000") > 0
+            for ip in ips
         )
 
     wait_for(routed_to_all, 120, "requests routed to every pod, new ones included", interval=0)

@@ -11,8 +11,10 @@ import httpx
 import pytest
 import zmq
 from cluster import wait_for
-from pools_e2e import MODEL_PATH, NS, example, for_this_machine, metric_total, write
+from pools_e2e import MODEL_PATH, NS, example, for_this_machine, write
 from zmq.utils.monitor import recv_monitor_message
+
+from epdserve.common import metrics_text
 
 pytestmark = pytest.mark.e2e
 NAME = "curved"
@@ -59,7 +61,7 @@ def test_the_router_indexes_the_engines_events_over_curve(cluster, pool):
 
     def received() -> float:
         text = httpx.get(f"http://{router}:8000/metrics", timeout=10).text
-        return metric_total(text, "epdserve_router:kv_events_received_total")
+        return metrics_text.total(text, "epdserve_router:kv_events_received_total")
 
     assert wait_for(received, 60, "events indexed by the router") > 0
 

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
+from epdserve.common import metrics_text
 from epdserve.operator import autoscaling as scaling
 from epdserve.operator import meta
 from epdserve.operator.kube import ApiError, Kube, object_path
@@ -109,19 +110,21 @@ class Autoscaler:
         """The metric of each ready pod (TTFT: one p90 over the pods' new observations)."""
         selector = f"{meta.POOL_LABEL}={pool.name},{meta.ROLE_LABEL}={role}"
         pods = ready_pod_ips(self.kube.list("v1", "Pod", pool.namespace, selector))
-        texts = {}
+        pages = {}
         for pod, ip in pods:
             try:
-                texts[pod] = self.scrape(f"http://{ip}:{meta.HTTP_PORT}/metrics")
-            except Exception as exc:  # unreachable or slow pod: counted, left out
+                pages[pod] = metrics_text.parse(
+                    self.scrape(f"http://{ip}:{meta.HTTP_PORT}/metrics")
+                )
+            except Exception as exc:  # unreachable, slow or unreadable pod: counted, left out
                 self.scrape_errors += 1
                 logger.info("metrics of %s not read: %s", pod, exc)
         if metric != "ttftP90":
-            values = (scaling.pod_value(text, metric) for text in texts.values())
+            values = (scaling.pod_value(page, metric) for page in pages.values())
             return [v for v in values if v is not None]
         key = (pool.namespace, pool.name, role)
         before = self.last_buckets.get(key, {})
-        now = {pod: scaling.buckets(text, TTFT) for pod, text in texts.items()}
+        now = {pod: metrics_text.buckets(page, TTFT) for pod, page in pages.items()}
         self.last_buckets[key] = now
         merged: dict[float, float] = {}
         for pod, counts in now.items():

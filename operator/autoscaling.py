@@ -9,9 +9,9 @@ short spike neither adds pods nor a short lull removes them.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
+from epdserve.common import metrics_text
 from epdserve.operator.errors import InvalidSpec
 
 ENGINES = ("operator", "hpa", "keda")
@@ -88,38 +88,12 @@ def parse_autoscaling(raw: dict | None) -> AutoscalingSpec:
     return AutoscalingSpec(engine=engine, prometheus_address=address)
 
 
-# --- the metric, from the pods' /metrics text ---
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LE = re.compile(r'le="([^"]*)"')
+# --- the metric, from the pods' /metrics pages ---
 
 
-def samples(text: str, name: str) -> list[tuple[str, float]]:
-    """(labels text, value) of every sample of metric `name` in Prometheus text format."""
-    out = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and match.group(1) == name:
-            try:
-                out.append((match.group(2) or "", float(match.group(3))))
-            except ValueError:
-                continue
-    return out
-
-
-def buckets(text: str, family: str) -> dict[float, float]:
-    """Cumulative histogram bucket counts by upper bound, summed over label sets."""
-    out: dict[float, float] = {}
-    for labels, value in samples(text, family + "_bucket"):
-        if match := _LE.search(labels):
-            bound = float(match.group(1))  # "+Inf" parses to inf
-            out[bound] = out.get(bound, 0.0) + value
-    return out
-
-
-def pod_value(text: str, metric: str) -> float | None:
+def pod_value(page: metrics_text.Page, metric: str) -> float | None:
     """One pod's gauge: waiting requests summed over series, KV-cache usage averaged."""
-    values = [v for _, v in samples(text, METRICS[metric])]
+    values = metrics_text.values(page, METRICS[metric])
     if not values:
         return None
     return sum(values) if metric == "waiting" else sum(values) / len(values)

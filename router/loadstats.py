@@ -7,6 +7,7 @@ import logging
 
 import httpx
 
+from epdserve.common import metrics_text
 from epdserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -19,28 +20,14 @@ GAUGES = {
 
 
 def parse_load(text: str) -> dict[str, float]:
-    """Sum the load gauges over their label sets (one per engine) in a text exposition."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name, sep, rest = line.partition("{")
-        if sep:
-            rest = rest.rpartition("}")[2]
-        else:
-            name, _, rest = line.partition(" ")
-        field = GAUGES.get(name.strip())
-        if field is None:
-            continue
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        totals[field] = totals.get(field, 0.0) + value
-    if "kv_usage" in totals:  # several engines: report the mean usage, not the sum
-        engines = sum(1 for ln in text.splitlines() if ln.startswith("vllm:kv_cache_usage_perc"))
-        totals["kv_usage"] /= max(1, engines)
-    return totals
+    """The load gauges of a page, summed over their label sets (one per engine); KV-cache
+    usage is their mean. Raises ``ValueError`` on a malformed page."""
+    samples = metrics_text.parse(text)
+    load: dict[str, float] = {}
+    for name, field in GAUGES.items():
+        if found := metrics_text.values(samples, name):
+            load[field] = sum(found) / len(found) if field == "kv_usage" else sum(found)
+    return load
 
 
 async def scrape_once(client: httpx.AsyncClient, router: Router, timeout: float) -> None:
@@ -60,7 +47,13 @@ async def _scrape(client: httpx.AsyncClient, router: Router, name: str, timeout:
         log.debug("scrape of %s failed: %s", name, exc)
         await _set_health(router, state, False)
         return
-    for field, value in parse_load(response.text).items():
+    try:
+        load = parse_load(response.text)
+    except ValueError as exc:  # the pod answers, but its page cannot be read: load unknown
+        router.metrics.scrape_errors.labels(name).inc()
+        log.debug("metrics of %s not parsed: %s", name, exc)
+        load = {}
+    for field, value in load.items():
         setattr(state, field, value)
     await _set_health(router, state, True)
 

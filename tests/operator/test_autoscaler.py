@@ -97,6 +97,14 @@ def test_an_unreachable_pod_is_left_out_and_counted():
     assert status["prefill"]["desiredReplicas"] == 2 and scaler.scrape_errors == 1
 
 
+def test_an_unreadable_metrics_page_is_left_out_and_counted():
+    api = FakeApi({"p-prefill": 1}, {"prefill": ["10.0.0.1", "10.0.0.2"]})
+    pages = {"10.0.0.1": _waiting(8), "10.0.0.2": "<html>not a metrics page</html>\n"}
+    scaler = Autoscaler(api, scrape=lambda url: pages[url.split("//")[1].split(":")[0]])
+    status, _ = scaler.step(_pool(), NOW)
+    assert status["prefill"]["desiredReplicas"] == 2 and scaler.scrape_errors == 1
+
+
 def test_decode_scales_on_ttft_p90_of_new_observations():
     api = FakeApi({"p-prefill": 1, "p-decode": 1}, {"decode": ["10.0.0.3"]})
     text = {"now": _ttft(100, 0)}

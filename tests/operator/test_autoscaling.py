@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from ipool_samples import pool_body
 
+from epdserve.common.metrics_text import buckets
 from epdserve.operator.autoscaling import (
     RoleAutoscaling,
-    buckets,
     desired_replicas,
     histogram_delta,
     pod_value,

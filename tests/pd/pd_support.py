@@ -8,6 +8,8 @@ import random
 import httpx
 from serving_support import ServerProcess
 
+from epdserve.common import metrics_text
+
 BLOCK = 16
 SEED = "7"  # the pool's shared --hash-seed
 
@@ -67,10 +69,10 @@ def _pod(model: str, role: str, config: str, env: dict | None = None) -> ServerP
 def source_tokens(server: ServerProcess, source: str) -> float:
     """``vllm:prompt_tokens_by_source_total{source=...}`` of a pod."""
     body = httpx.get(server.url + "/metrics", timeout=5).text
-    for line in body.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{") and f'source="{source}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no prompt-token source {source!r} exported")
+    found = metrics_text.values(body, "vllm:prompt_tokens_by_source_total", source=source)
+    if not found:
+        raise AssertionError(f"no prompt-token source {source!r} exported")
+    return sum(found)
 
 
 def post(server: ServerProcess, body: dict) -> dict:

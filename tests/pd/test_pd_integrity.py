@@ -13,6 +13,7 @@ import httpx
 import pytest
 from pd_support import BLOCK, answer, greedy, loadable_tokens, post, prompts
 
+from epdserve.common import metrics_text
 from epdserve.connectors.storage import create_store
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "connectors" / "storage"))
@@ -25,11 +26,7 @@ FAILURES = "epdserve:kv_load_failures_total"
 def rejected(server, reason: str, kind: str = "kv_block") -> float:
     """One series of the rejection counter (0 before the first rejection of that reason)."""
     body = httpx.get(server.url + "/metrics", timeout=5).text
-    for line in body.splitlines():
-        if line.startswith(REJECTED + "{") and f'kind="{kind}"' in line:
-            if f'reason="{reason}"' in line:
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metrics_text.total(body, REJECTED, kind=kind, reason=reason)
 
 
 @pytest.fixture(params=["redis_pods", "shared_pods"])

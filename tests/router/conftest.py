@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from epdserve.common import metrics_text
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -149,17 +151,8 @@ def start_router(pods: list[Proc], log_dir: Path, *flags: str) -> Proc:
 
 def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
     """Sum of a metric's samples (matching ``labels``) in a /metrics page."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
     text = httpx.get(url + "/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(
-                sample.labels.get(k) == v for k, v in (labels or {}).items()
-            ):
-                total += sample.value
-    return total
+    return metrics_text.total(text, name, **(labels or {}))
 
 
 class Spawner:

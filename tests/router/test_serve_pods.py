@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from epdserve.common import metrics_text
+
 # tiny llama, fp32: layers x (K, V) x block_size x kv_heads x head_dim x 4 bytes
 BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4
 # 18 blocks per pod: one tenant's 12-block prefix + suffix fits, two do not
@@ -71,12 +73,10 @@ def run_tenants(url: str, seed: int, n: int = 30) -> None:
 
 def events_seen(router_url: str) -> float:
     """Events the router applied plus batches it rejected (either way: it has seen them)."""
-    text = httpx.get(router_url + "/metrics", timeout=5).text
-    prefixes = (
-        "epdserve_router:kv_events_received_total{",
-        "epdserve_router:kv_event_batches_invalid_total{",
+    samples = metrics_text.parse(httpx.get(router_url + "/metrics", timeout=5).text)
+    return metrics_text.total(samples, "epdserve_router:kv_events_received_total") + (
+        metrics_text.total(samples, "epdserve_router:kv_event_batches_invalid_total")
     )
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(prefixes))
 
 
 def test_prefix_routing_sends_shared_prefixes_to_the_pod_holding_them(

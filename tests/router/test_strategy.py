@@ -82,6 +82,11 @@ def test_parse_load_sums_engines_and_averages_kv_usage():
     assert parse_load(text) == {"waiting": 5.0, "kv_usage": pytest.approx(0.3), "running": 1.0}
 
 
+def test_parse_load_refuses_a_page_that_is_not_metrics():
+    with pytest.raises(ValueError):
+        parse_load("<html>busy</html>\n")
+
+
 def test_endpoint_flag_follows_the_port_convention_and_overrides():
     ep = PodEndpoint.parse("http://10.1.2.3:8000", 5557, 5558)
     assert (ep.events, ep.replay) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")

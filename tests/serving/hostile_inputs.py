@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import httpx
 from serving_support import API_KEY
 
+from epdserve.common import metrics_text
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BIG = 60 << 20  # over every default body limit (32 MiB)
 
@@ -218,13 +220,9 @@ SETTLED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_ca
 
 def gauges(pod_url: str) -> dict[str, float]:
     """The pod's settle gauges (absent ones, e.g. an encoder pod's KV usage, are left out)."""
-    body = httpx.get(pod_url + "/metrics", timeout=5).text
-    values: dict[str, float] = {}
-    for line in body.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in SETTLED:
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
+    samples = metrics_text.parse(httpx.get(pod_url + "/metrics", timeout=5).text)
+    found = {name: metrics_text.values(samples, name) for name in SETTLED}
+    return {name: sum(values) for name, values in found.items() if values}
 
 
 def assert_settled(pod_url: str, timeout: float = 15) -> None:

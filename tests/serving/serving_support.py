@@ -11,6 +11,8 @@ import time
 
 import httpx
 
+from epdserve.common import metrics_text
+
 API_KEY = "test-key"
 
 
@@ -74,13 +76,9 @@ class ServerProcess:
 
     def metric(self, name: str) -> float:
         body = httpx.get(self.url + "/metrics", timeout=5).text
-        total, found = 0.0, False
-        for line in body.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
+        found = metrics_text.values(body, name)
         assert found, f"metric {name} not exported"
-        return total
+        return sum(found)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

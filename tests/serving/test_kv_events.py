@@ -15,6 +15,8 @@ import pytest
 import zmq
 from serving_support import ServerProcess
 
+from epdserve.common import metrics_text
+
 
 @pytest.fixture
 def events_server(models, tmp_path):
@@ -88,7 +90,6 @@ def test_block_stored_events_chain_the_prompt_blocks_and_replay_works(events_ser
     assert replayed[: len(seqs)] == seqs
     ctx.destroy(linger=0)
     # the publisher's counters reach the pod's /metrics (they travel with the core's stats)
-    wanted = ('event="batches_published"', 'event="replay_requests"')
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         httpx.post(  # a step after the replay carries the counters over
@@ -96,14 +97,12 @@ def test_block_stored_events_chain_the_prompt_blocks_and_replay_works(events_ser
             timeout=30,
             json={"model": "tiny", "prompt": "x", "max_tokens": 1},
         )
-        text = httpx.get(srv.url + "/metrics", timeout=5).text
-        lines = [
-            ln
-            for ln in text.splitlines()
-            if ln.startswith("epdserve:kv_event_publisher_total{") and any(w in ln for w in wanted)
-        ]
-        if len(lines) == 2:
+        samples = metrics_text.parse(httpx.get(srv.url + "/metrics", timeout=5).text)
+        counts = {
+            event: metrics_text.values(samples, "epdserve:kv_event_publisher_total", event=event)
+            for event in ("batches_published", "replay_requests")
+        }
+        if all(counts.values()):
             break
         time.sleep(0.1)
-    assert len(lines) == 2, lines
-    assert all(float(ln.rsplit(" ", 1)[1]) >= 1 for ln in lines), lines
+    assert all(len(v) == 1 and v[0] >= 1 for v in counts.values()), counts

@@ -11,6 +11,8 @@ import time
 import httpx
 from serving_support import free_port
 
+from epdserve.common import metrics_text
+
 
 def descendants(pid: int) -> set[int]:
     """Every process below ``pid`` (children start their own sessions, so walk ppids)."""
@@ -34,11 +36,7 @@ def wait_for_index(port: int, timeout: float = 15.0) -> float:
     blocks = 0.0
     while time.monotonic() < deadline and blocks == 0:
         body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        blocks = sum(  # per tier (local, store)
-            float(line.split()[-1])
-            for line in body.splitlines()
-            if line.startswith("epdserve_router:index_blocks{")
-        )
+        blocks = metrics_text.total(body, "epdserve_router:index_blocks")  # all tiers
         time.sleep(0.2)
     return blocks
 
