@@ -19,10 +19,21 @@ PUBLIC_API: dict[str, dict[str, str]] = {
         "RequestOutput": "epdserve.engine.outputs.request_output",
         "CompletionOutput": "epdserve.engine.outputs.request_output",
     },
-    "kernels": {
-        name: "epdserve.kernels.api"
-        for base in ("paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding")
-        for name in (base, f"{base}_ref", f"{base}_triton")
+    "kernels": {  # the backend registry, and each op's torch twin and Triton launcher
+        **dict.fromkeys(
+            ("KernelBackend", "BACKEND_NAMES", "get_backend", "default_backend"),
+            "epdserve.kernels.backends",
+        ),
+        **{
+            f"{op}_{impl}": f"epdserve.kernels.{module}_{impl}"
+            for op, module in (
+                ("paged_attention", "attention"),
+                ("reshape_and_cache", "cache"),
+                ("rms_norm", "norm"),
+                ("rotary_embedding", "rotary"),
+            )
+            for impl in ("ref", "triton")
+        },
     },
 }
 

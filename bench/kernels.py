@@ -1,11 +1,11 @@
 """Decode-attention bandwidth of the CPU twin vs a plain ``copy_`` of the same bytes.
 
 Prints one JSON object. For each config a cross-layer KV cache is built, 64 sequences of
-``ctx`` tokens (256, 1024, or "ragged": 16..1024) decode one token each through
-``epdserve.kernels.paged_attention`` on CPU tensors, and the KV bytes it must read are timed
+``ctx`` tokens (256, 1024, or "ragged": 16..1024) decode one token each through the
+CPU kernel backends' ``paged_attention``, and the KV bytes it must read are timed
 against ``dst.copy_(src)`` of that many bytes in the same run (interleaved, best of N).
-Two decode paths of the twin, side by side: ``native`` (the C kernel, what the engine runs
-when a C compiler is present) and ``torch`` (the batched torch decode it falls back to).
+Two backends, side by side: ``native`` (the C kernel, what the engine runs when a C
+compiler is present) and ``torch`` (the batched torch decode it falls back to).
 ``ratio`` = native bytes/s / copy bytes/s (target >= 0.30), ``torch_ratio`` the same for
 the torch path; ``gather_ms`` is the torch path's block gather alone, every sequence padded
 to the longest.
@@ -16,13 +16,13 @@ to the longest.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 
 import torch
 
-from epdserve.kernels import native, paged_attention
+from epdserve.kernels import native
+from epdserve.kernels.backends import NativeBackend, TorchBackend
 from epdserve.kernels.gather import block_ids, gather_blocks
 
 CONFIGS = [  # (name, heads, kv_heads, head_dim): make-model's presets, then a real-size one
@@ -52,17 +52,6 @@ def context_lengths(ctx, seqs: int) -> torch.Tensor:
     return torch.full((seqs,), ctx)
 
 
-@contextlib.contextmanager
-def torch_path():
-    """Decode through the torch batched path, as without a C compiler."""
-    saved = native.supports
-    native.supports = lambda *args: False
-    try:
-        yield
-    finally:
-        native.supports = saved
-
-
 def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats):
     lens = context_lengths(ctx, seqs)
     nblk = -(-int(lens.max()) // block_size)
@@ -83,11 +72,13 @@ def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats
         gather_blocks(key_cache, ids, "k")
         gather_blocks(value_cache, ids, "v")
 
-    def torch_decode():
-        with torch_path():
-            paged_attention(*args)
-
-    fns = [lambda: paged_attention(*args), torch_decode, lambda: dst.copy_(src), gather]
+    native_backend, torch_backend = NativeBackend(), TorchBackend()
+    fns = [
+        lambda: native_backend.paged_attention(*args),  # the twin if the C kernel is absent
+        lambda: torch_backend.paged_attention(*args),
+        lambda: dst.copy_(src),
+        gather,
+    ]
     t_native, t_torch, t_copy, t_gather = best_of_interleaved(fns, repeats)
     return {
         "kv_bytes": kv_bytes,

@@ -1,14 +1,17 @@
-"""Attention backends: the paged-attention and cache-write ops the decoder calls, by name.
+"""Kernel backends: the one dispatcher of the ops a decoder calls (paged attention, cache
+write, RMSNorm, rotary embedding), a small registry of classes chosen by name and device.
 
 - ``triton``: the Triton kernels (paged prefill with cached prefixes, decode, sliding window,
-  soft cap, cache write). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``
-  (correctness only: 30-500x slower than torch).
-- ``native``: the torch twin whose decode sequences run the C kernel (``native.py``).
-- ``torch``: the torch twin alone (SDPA prefill, batched padded decode).
+  soft cap, cache write, RMSNorm, rotary). CUDA tensors, or CPU tensors under
+  ``TRITON_INTERPRET=1`` (correctness only: 30-500x slower than torch).
+- ``native``: the torch twins, with the C kernels (``native.py``) where they take the
+  tensors: decode attention, RMSNorm and rotary (each with the twin's rounding).
+- ``torch``: the torch twins alone (SDPA prefill, batched padded decode): the reference.
 
 The model picks one at load (``get_backend``); ``default_backend(device)`` is ``triton`` on
-CUDA, ``native`` on CPU when the C kernel builds, else ``torch``. RMSNorm and rotary stay on
-the device dispatch of ``epdserve.kernels.api``.
+CUDA, ``native`` on CPU when the C kernels build, else ``torch``. ``<op>_ref`` (the twins, in
+``*_ref.py``) and ``<op>_triton`` (the launchers, in ``*_triton.py``) stay callable on their
+own; triton is imported only when a Triton op first runs.
 """
 
 from __future__ import annotations
@@ -20,15 +23,18 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from epdserve.kernels import api, native
+from epdserve.kernels import native
 from epdserve.kernels.attention_ref import paged_attention_ref
 from epdserve.kernels.cache_ref import reshape_and_cache_ref
+from epdserve.kernels.checks import check_rms_norm, check_rotary
+from epdserve.kernels.norm_ref import rms_norm_ref
+from epdserve.kernels.rotary_ref import rotary_embedding_ref
 
 BACKEND_NAMES = ("triton", "native", "torch")
 
 
-class AttentionBackend(ABC):
-    """The attention ops of one decoder layer; stateless, shared by every layer."""
+class KernelBackend(ABC):
+    """The kernel ops of one decoder; stateless, shared by every layer."""
 
     name: str
 
@@ -47,7 +53,9 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Causal paged attention over a mixed batch; returns a new ``out[T, H, D]``.
 
-        Mutates nothing; semantics are ``attention_ref.paged_attention_ref``'s."""
+        Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i+1]``, the last
+        ``q_len`` positions of its ``seq_lens[i]``-token context. Mutates nothing; cache
+        layout, GQA, ``sliding_window`` and ``soft_cap`` as ``attention_ref`` says."""
 
     @abstractmethod
     def reshape_and_cache(
@@ -62,35 +70,91 @@ class AttentionBackend(ABC):
 
         Mutates ``key_cache`` and ``value_cache`` in place."""
 
+    @abstractmethod
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ):
+        """RMSNorm computed in fp32: ``out``, or with ``residual`` the pair
+        ``(norm(x + residual), x + residual)``. Returns new tensors; mutates nothing."""
 
-class TritonBackend(AttentionBackend):
+    @abstractmethod
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding of ``q [T, H, D]`` and ``k [T, KVH, D]`` at ``positions``.
+
+        Mutates ``q`` and ``k`` in place and returns them."""
+
+
+class TritonBackend(KernelBackend):
     name = "triton"
 
     def paged_attention(self, *args, **kwargs) -> torch.Tensor:
-        return api.paged_attention_triton(*args, **kwargs)
+        from epdserve.kernels.attention_triton import paged_attention_triton
+
+        return paged_attention_triton(*args, **kwargs)
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        api.reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+        from epdserve.kernels.cache_triton import reshape_and_cache_triton
+
+        reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        from epdserve.kernels.norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
+        from epdserve.kernels.rotary_triton import rotary_embedding_triton
+
+        return rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox)
 
 
-class NativeBackend(AttentionBackend):
-    name = "native"
-
-    def paged_attention(self, *args, **kwargs) -> torch.Tensor:
-        return paged_attention_ref(*args, **kwargs)
-
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
-
-
-class TorchBackend(NativeBackend):
+class TorchBackend(KernelBackend):
     name = "torch"
 
     def paged_attention(self, *args, **kwargs) -> torch.Tensor:
         return paged_attention_ref(*args, **kwargs, native_decode=False)
 
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
-_CLASSES: dict[str, type[AttentionBackend]] = {
+    def rms_norm(self, x, weight, eps, residual=None):
+        return rms_norm_ref(x, weight, eps, residual)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
+        return rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
+
+
+class NativeBackend(TorchBackend):
+    name = "native"
+
+    def paged_attention(self, *args, **kwargs) -> torch.Tensor:
+        return paged_attention_ref(*args, **kwargs)  # decode sequences: the C kernel
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        check_rms_norm(x, weight, eps, residual)
+        if native.rms_norm_supports(x, weight, residual):
+            return native.rms_norm(x, weight, eps, residual)
+        return rms_norm_ref(x, weight, eps, residual)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
+        check_rotary(positions, q, k, cos_sin_cache)
+        if native.rotary_supports(positions, q, k, cos_sin_cache):
+            return native.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+        return rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
+
+
+_CLASSES: dict[str, type[KernelBackend]] = {
     "triton": TritonBackend,
     "native": NativeBackend,
     "torch": TorchBackend,
@@ -98,7 +162,7 @@ _CLASSES: dict[str, type[AttentionBackend]] = {
 
 
 def default_backend(device: torch.device | str) -> str:
-    """``triton`` on CUDA; on CPU ``native`` when the C decode kernel builds, else ``torch``."""
+    """``triton`` on CUDA; on CPU ``native`` when the C kernels build, else ``torch``."""
     if torch.device(device).type == "cuda":
         return "triton"
     return "native" if native.available() else "torch"
@@ -148,6 +212,6 @@ def _check_triton(kind: str) -> None:
         )
 
 
-def get_backend(name: str | None, device: torch.device | str = "cpu") -> AttentionBackend:
+def get_backend(name: str | None, device: torch.device | str = "cpu") -> KernelBackend:
     """The backend called ``name`` (None: ``default_backend(device)``), checked for ``device``."""
     return _CLASSES[check_backend(name, device)]()

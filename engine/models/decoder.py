@@ -1,8 +1,8 @@
 """Decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
 
 Weights are fused at load time (q|k|v, gate|up) so each layer is four matmuls; attention
-goes through the attention backend chosen at load (``epdserve.kernels.backends``) against
-the paged, cross-layer KV cache.
+norms, rotary and attention go through the kernel backend chosen at load
+(``epdserve.kernels.backends``), attention against the paged, cross-layer KV cache.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.rope import cos_sin_cache
-from epdserve.kernels import rms_norm, rotary_embedding
-from epdserve.kernels.backends import AttentionBackend, get_backend
+from epdserve.kernels.backends import KernelBackend, get_backend
 
 
 @dataclass
@@ -58,12 +57,12 @@ class DecoderLM:
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
-        attention: AttentionBackend | None = None,
+        kernels: KernelBackend | None = None,
     ):
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.attention = attention or get_backend(None, device)
+        self.kernels = kernels or get_backend(None, device)
         self.layers = [DecoderLayer() for _ in range(config.num_layers)]
         self.scale = config.head_dim**-0.5
         self.rope_cache = cos_sin_cache(
@@ -78,7 +77,7 @@ class DecoderLM:
         meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        cfg = self.config
+        cfg, rms_norm = self.config, self.kernels.rms_norm
         h = F.embedding(input_ids, self.embed)
         residual = None
         layers = zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True)
@@ -102,7 +101,7 @@ class DecoderLM:
         qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
         norms = (layer.q_norm, layer.k_norm) if cfg.qk_norm else None
         out, _ = self_attention(
-            self.attention,
+            self.kernels,
             cfg,
             qkv,
             meta,
@@ -117,7 +116,7 @@ class DecoderLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        x = self.kernels.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
 
@@ -127,7 +126,7 @@ def per_layer(meta, num_layers: int) -> list[AttentionMetadata]:
 
 
 def self_attention(
-    attention: AttentionBackend,
+    kernels: KernelBackend,
     cfg: ModelConfig,
     qkv: torch.Tensor,
     meta: AttentionMetadata,
@@ -146,13 +145,13 @@ def self_attention(
     k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
     if qk_norms is not None:
-        q = rms_norm(q.contiguous(), qk_norms[0], cfg.rms_norm_eps)
-        k = rms_norm(k.contiguous(), qk_norms[1], cfg.rms_norm_eps)
+        q = kernels.rms_norm(q.contiguous(), qk_norms[0], cfg.rms_norm_eps)
+        k = kernels.rms_norm(k.contiguous(), qk_norms[1], cfg.rms_norm_eps)
     else:
         q, k = q.contiguous(), k.contiguous()
-    q, k = rotary_embedding(meta.positions, q, k, rope, True)
-    attention.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = attention.paged_attention(
+    q, k = kernels.rotary_embedding(meta.positions, q, k, rope, True)
+    kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = kernels.paged_attention(
         q,
         k_cache,
         v_cache,

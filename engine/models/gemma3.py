@@ -12,8 +12,7 @@ from epdserve.engine.models.bidirectional import attend_spans
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.decoder import AttentionMetadata, per_layer, self_attention
 from epdserve.engine.models.rope import cos_sin_cache
-from epdserve.kernels import rms_norm
-from epdserve.kernels.backends import AttentionBackend, get_backend
+from epdserve.kernels.backends import KernelBackend, get_backend
 
 
 class Gemma3Layer:
@@ -42,12 +41,12 @@ class Gemma3LM:
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int,
-        attention: AttentionBackend | None = None,
+        kernels: KernelBackend | None = None,
     ):
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.attention = attention or get_backend(None, device)
+        self.kernels = kernels or get_backend(None, device)
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.ropes = {
             kind: cos_sin_cache(params, config.head_dim, max_positions, torch.float32).to(
@@ -75,7 +74,7 @@ class Gemma3LM:
         kv_caches,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        cfg = self.config
+        cfg, rms_norm = self.config, self.kernels.rms_norm
         eps = cfg.rms_norm_eps
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         layers = zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True)
@@ -97,7 +96,7 @@ class Gemma3LM:
     def _attention(self, layer: Gemma3Layer, x, meta: AttentionMetadata, k_cache, v_cache):
         cfg = self.config
         out, q = self_attention(
-            self.attention,
+            self.kernels,
             cfg,
             F.linear(x, layer.qkv_w),
             meta,
@@ -115,7 +114,7 @@ class Gemma3LM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        x = self.kernels.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         logits = F.linear(x, self.lm_head).float()
         cap = self.config.final_logit_softcap
         if cap:

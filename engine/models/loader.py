@@ -49,10 +49,10 @@ def load_model(
     max_positions: int,
     attention_backend: str | None = None,
 ):
-    """The decoder of ``model_dir`` on ``device``, attending with ``attention_backend``
+    """The decoder of ``model_dir`` on ``device``, its kernels from ``attention_backend``
     (``triton`` | ``native`` | ``torch``; None: ``backends.default_backend(device)``)."""
     config = load_model_config(model_dir)
-    attention = get_backend(attention_backend, device)
+    kernels = get_backend(attention_backend, device)
     reader = CheckpointReader(model_dir)
     prefix = _prefix(reader)
 
@@ -60,14 +60,14 @@ def load_model(
         return reader.get(prefix + name).to(device=device, dtype=dtype).contiguous()
 
     if config.family == "gemma3":
-        model = Gemma3LM(config, dtype, device, max_positions, attention)
+        model = Gemma3LM(config, dtype, device, max_positions, kernels)
 
         def get_norm(name: str) -> torch.Tensor:  # Gemma scales by (1 + w), kept in fp32
             return (1.0 + reader.get(prefix + name).float()).to(device).contiguous()
 
         load_gemma3_weights(model, get, get_norm)
         return model
-    model = DecoderLM(config, dtype, device, max_positions, attention)
+    model = DecoderLM(config, dtype, device, max_positions, kernels)
 
     model.embed = get("embed_tokens.weight")
     model.final_norm = get("norm.weight")

@@ -63,7 +63,7 @@ def run(model: str, backend: str, full: bool) -> dict:
         if blocks is not None:  # rebuild with a cache of ``blocks`` blocks per group
             mem = (blocks + 1) * len(llm.engine.kv_spec.groups) * block_bytes(llm)
             llm = LLM(model=model, attention_backend=backend, kv_cache_memory=mem, **common, **kw)
-        assert llm.engine.model.attention.name == backend
+        assert llm.engine.model.kernels.name == backend
         outs = llm.generate(batch, greedy)
         if name == "prefix-hits":
             outs += llm.generate(batch, greedy)

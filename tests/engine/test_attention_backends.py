@@ -16,7 +16,7 @@ from epdserve.engine.config import EngineConfig
 from epdserve.kernels import native
 from epdserve.kernels.backends import (
     BACKEND_NAMES,
-    AttentionBackend,
+    KernelBackend,
     check_backend,
     default_backend,
     get_backend,
@@ -29,7 +29,7 @@ LONGEST_CONTEXT = 47 + 8  # the runner's longest prompt plus its output tokens
 def test_every_backend_name_builds_its_backend():
     for name in ("torch", "native") if native.available() else ("torch",):
         backend = get_backend(name, "cpu")
-        assert isinstance(backend, AttentionBackend) and backend.name == name
+        assert isinstance(backend, KernelBackend) and backend.name == name
     assert set(BACKEND_NAMES) == {"triton", "native", "torch"}
 
 

@@ -97,3 +97,15 @@ def random_specs(rng, num_seqs, max_ctx):
         q_len = 1 if kind == 0 else ctx if kind == 1 else int(rng.integers(1, ctx + 1))
         specs.append((q_len, ctx))
     return specs
+
+
+def cpu_backend(name: str):
+    """The CPU kernel backend ``name`` (``native`` or ``torch``); skips when it cannot run."""
+    import pytest
+
+    from epdserve.kernels.backends import get_backend
+
+    try:
+        return get_backend(name, "cpu")
+    except ValueError as exc:  # native without a C compiler
+        pytest.skip(str(exc))

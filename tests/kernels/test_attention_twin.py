@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernels_testlib import make_batch, naive_attention, random_specs
 
-from epdserve.kernels import native, paged_attention, paged_attention_ref
+from epdserve.kernels import native, paged_attention_ref
 
 MIXED = [(1, 5), (7, 40), (3, 3), (1, 33), (16, 16), (5, 21)]
 DECODE = [(1, 5), (1, 40), (1, 17), (1, 1), (1, 64)]
@@ -85,13 +85,6 @@ def test_random_mixed_batches_match_naive(seed):
     assert_matches_naive(make_batch(specs, 2 * group, 2, 64, [16, 32][seed % 2], seed=seed))
 
 
-def test_public_function_uses_the_twin_on_cpu():
-    batch = make_batch(MIXED, 4, 2, 64, 16)
-    torch.testing.assert_close(
-        paged_attention(*batch.args(), 0.125), paged_attention_ref(*batch.args(), 0.125)
-    )
-
-
 def test_twin_does_not_modify_its_inputs():
     batch = make_batch(MIXED, 4, 2, 64, 16)
     before = [t.clone() for t in batch.args()]
@@ -134,16 +127,6 @@ def test_query_may_be_a_strided_slice_of_a_fused_qkv_tensor(specs, kv_heads, dty
     torch.testing.assert_close(
         paged_attention_ref(*args, 0.125), paged_attention_ref(*batch.args(), 0.125)
     )
-
-
-def test_public_function_accepts_keyword_arguments():
-    b = make_batch(MIXED, 4, 2, 64, 16)
-    out = paged_attention(
-        query=b.query, key_cache=b.key_cache, value_cache=b.value_cache,
-        block_table=b.block_table, seq_lens=b.seq_lens, query_start_loc=b.query_start_loc,
-        scale=0.125, sliding_window=4, soft_cap=None,
-    )  # fmt: skip
-    torch.testing.assert_close(out, paged_attention_ref(*b.args(), 0.125, sliding_window=4))
 
 
 def test_ragged_decode_batch_split_into_length_groups_matches_naive():

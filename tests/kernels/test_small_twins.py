@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testlib import cross_layer_cache
+from kernels_testlib import cpu_backend, cross_layer_cache
 
-from epdserve.kernels import (
-    reshape_and_cache,
-    reshape_and_cache_ref,
-    rms_norm,
-    rms_norm_ref,
-    rotary_embedding,
-    rotary_embedding_ref,
-)
+from epdserve.kernels import reshape_and_cache_ref, rms_norm_ref, rotary_embedding_ref
+
+CPU_BACKENDS = pytest.mark.parametrize("name", ["native", "torch"])
 
 
 def test_reshape_and_cache_writes_each_token_to_its_slot_in_a_strided_view():
@@ -37,10 +32,12 @@ def test_reshape_and_cache_skips_slot_minus_one():
     assert torch.equal(kv, before)
 
 
-def test_public_reshape_and_cache_uses_the_twin_on_cpu():
+@CPU_BACKENDS
+def test_cpu_backends_write_the_cache_with_int32_slots(name):
     _, key_cache, value_cache = cross_layer_cache(2, 16, 1, 8, torch.float32)
     key = torch.randn(1, 1, 8)
-    reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([20], dtype=torch.int32))
+    slots = torch.tensor([20], dtype=torch.int32)
+    cpu_backend(name).reshape_and_cache(key, key, key_cache, value_cache, slots)
     assert torch.equal(key_cache[1, 4], key[0])
 
 
@@ -55,9 +52,10 @@ def test_rms_norm_normalises_in_fp32_and_scales_as_hf_does_for_the_weight_dtype(
     assert torch.equal(rms_norm_ref(x, w32, 1e-5), (normalized * w32).bfloat16())
 
 
-def test_rms_norm_with_residual_returns_the_norm_of_the_sum_and_the_sum():
+@CPU_BACKENDS
+def test_rms_norm_with_residual_returns_the_norm_of_the_sum_and_the_sum(name):
     x, r, w = torch.randn(5, 16), torch.randn(5, 16), torch.randn(16)
-    out, new_residual = rms_norm(x, w, 1e-6, residual=r)
+    out, new_residual = cpu_backend(name).rms_norm(x, w, 1e-6, residual=r)
     assert torch.equal(new_residual, x + r)
     torch.testing.assert_close(out, rms_norm_ref(x + r, w, 1e-6))
 
@@ -102,8 +100,9 @@ def test_rotary_rotates_the_first_rot_dim_dims_in_place(is_neox):
         assert torch.equal(new[..., 32:], old[..., 32:])
 
 
-def test_rotary_at_position_zero_is_identity():
+@CPU_BACKENDS
+def test_rotary_at_position_zero_is_identity(name):
     q, k = torch.randn(1, 2, 16), torch.randn(1, 1, 16)
     q0, k0 = q.clone(), k.clone()
-    rotary_embedding(torch.tensor([0]), q, k, cos_sin(4, 16), True)
+    cpu_backend(name).rotary_embedding(torch.tensor([0]), q, k, cos_sin(4, 16), True)
     assert torch.equal(q, q0) and torch.equal(k, k0)
