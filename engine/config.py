@@ -1,44 +1,87 @@
-"""Engine configuration: plain values, validated at construction with messages naming the field."""
+"""Engine configuration: typed values, validated at construction with messages naming the field.
+
+Every field declared with ``setting`` is also a flag of ``epdserve serve`` and an
+``EPDSERVE_*`` variable (common/cli_fields.py). The connector and event configs are typed
+objects; their JSON text (a flag, a variable, a string given to ``LLM(...)``) is parsed here,
+once. The config reaches the engine-core process msgpack-encoded on stdin
+(``encode_config``/``decode_config``), typed as it is.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16")
+import msgspec
+
+from epdserve.common.cli_fields import json_object, setting
+from epdserve.connectors.ec_connector.config import ECTransferConfig
+from epdserve.connectors.kv_connector.config import KVTransferConfig
+from epdserve.connectors.kv_events.config import KVEventsConfig
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: float32
 ROLES = ("both", "encoder", "prefill", "decode")
+BACKENDS = ("triton", "native", "torch")
 ROLE_NEEDS = {"prefill": ("is_producer", "kv_producer"), "decode": ("is_consumer", "kv_consumer")}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "float32"
-    device: str = "auto"  # cpu | cuda[:N] | auto (cuda when torch sees one, else cpu)
-    gpu_memory_utilization: float = 0.9  # share of the GPU this engine may use (KV sizing)
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: enough for max_num_seqs (capped)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    # one KV-cache group for all layers (also forced when a KV connector is configured:
-    # connectors move every layer of a block together)
-    disable_hybrid_kv_cache_manager: bool = False
-    prefix_caching_hash_algo: str = "sha256_cbor"
-    hash_seed: str | None = None
-    seed: int = 0
-    enable_kv_events: bool = False
-    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON
-    kv_events_curve_dir: str | None = None  # CurveZMQ keys of the event sockets (a directory)
-    kv_transfer_config: str | None = None  # vLLM's --kv-transfer-config JSON
-    role: str = "both"  # both | encoder | prefill | decode (DESIGN.md §2)
-    ec_transfer_config: str | None = None  # --ec-transfer-config JSON (encoder outputs)
-    mm_processor_kwargs: dict | None = None  # image-processor options, e.g. do_pan_and_scan
-    attention_backend: str | None = None  # triton | native | torch; None: chosen by device
+    model: str = setting(help="model directory (HF format) or HuggingFace hub id", positional=True)
+    dtype: str = setting("float32", "weights' and KV cache's dtype (auto: float32)", choices=DTYPES)
+    device: str = setting("auto", "auto (cuda when torch sees one, else cpu), cpu or cuda[:N]")
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "share of the GPU's memory this engine may use; the KV cache gets what the "
+        "weights and a profiled forward leave (--kv-cache-memory wins when given)",
+    )
+    block_size: int = setting(16, "tokens per KV-cache block")
+    kv_cache_memory: int | None = setting(
+        None, "bytes of KV cache (default: enough for --max-num-seqs, capped; on CUDA: profiled)"
+    )
+    max_num_seqs: int = setting(256, "most sequences running at once")
+    max_num_batched_tokens: int = setting(2048, "most tokens one step computes")
+    max_model_len: int | None = setting(None, "longest sequence (default: the model's)")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a cached prefix")
+    # connectors move every layer of a block together: a KV connector forces one group too
+    disable_hybrid_kv_cache_manager: bool = setting(
+        False, "keep every layer's KV for the whole sequence (sliding-window layers included)"
+    )
+    prefix_caching_hash_algo: str = setting("sha256_cbor", "sha256_cbor, xxhash_cbor, blake3_cbor")
+    hash_seed: str | None = setting(
+        None, "roots the block-hash chain; pods that share a store or a router share one"
+    )
+    seed: int = setting(0, "torch's seed")
+    enable_kv_events: bool = False  # on when kv_events_config is active
+    kv_events_config: KVEventsConfig | None = setting(None, "vLLM's --kv-events-config JSON")
+    kv_events_curve_dir: str | None = setting(
+        None,
+        "CurveZMQ keys for the KV-event sockets: a directory with server.public, "
+        "server.secret and client.public (Z85; the routers' keys, one per line)",
+    )
+    kv_transfer_config: KVTransferConfig | None = setting(
+        None, "vLLM's --kv-transfer-config JSON: the KV connector and its role"
+    )
+    role: str = setting("both", "which part of the model this pod runs", choices=ROLES)
+    ec_transfer_config: ECTransferConfig | None = setting(
+        None, "the encoder-cache connector and its role, as JSON"
+    )
+    mm_processor_kwargs: dict | None = setting(
+        None, "image-processor options as JSON, e.g. '{\"do_pan_and_scan\": true}'"
+    )
+    attention_backend: str | None = setting(
+        None,
+        "attention kernels; default: triton on cuda, native (C decode) or torch on cpu",
+        choices=BACKENDS,
+    )
+    # the checkpoint's content digest, read once at start (kv_transfer/setup.resolve_identity)
+    model_digest: str | None = None
 
     def __post_init__(self) -> None:
+        self._parse_text()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", "float32")
         object.__setattr__(self, "device", resolve_device(self.device))
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
@@ -49,11 +92,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
-        if self.kv_events_config:
-            from epdserve.connectors.kv_events import KVEventsConfig
-
-            if KVEventsConfig.from_json(self.kv_events_config).active:
-                object.__setattr__(self, "enable_kv_events", True)
+        if self.kv_events_config is not None and self.kv_events_config.active:
+            object.__setattr__(self, "enable_kv_events", True)
         if self.kv_events_curve_dir:  # a missing or bad key file fails the start, named
             from epdserve.connectors.kv_events import CurveServerKeys
 
@@ -61,7 +101,7 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")
         if self.mm_processor_kwargs is not None:
-            from epdserve.engine.inputs.processor import check_processor_kwargs
+            from epdserve.engine.inputs.image_processor import check_processor_kwargs
 
             check_processor_kwargs(self.mm_processor_kwargs)
         if self.attention_backend is not None:
@@ -70,34 +110,45 @@ class EngineConfig:
             check_backend(self.attention_backend, self.device)
         self._check_role()
 
+    def _parse_text(self) -> None:
+        """The settings given as JSON text (a flag, a variable) or a dict, typed: the edge."""
+        for name, parse in (
+            ("kv_events_config", KVEventsConfig.parse),
+            ("kv_transfer_config", KVTransferConfig.parse),
+            ("ec_transfer_config", ECTransferConfig.parse),
+        ):
+            object.__setattr__(self, name, parse(getattr(self, name)))
+        if isinstance(self.mm_processor_kwargs, str):
+            kwargs = json_object(self.mm_processor_kwargs, "mm_processor_kwargs")
+            object.__setattr__(self, "mm_processor_kwargs", kwargs)
+
     def _check_role(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
-        transfer = None
-        if self.kv_transfer_config:
-            from epdserve.connectors.kv_connector import KVTransferConfig
-
-            transfer = KVTransferConfig.from_json(self.kv_transfer_config)
-        if self.ec_transfer_config or self.role == "encoder":
-            from epdserve.connectors.ec_connector import ECTransferConfig
-
-            ec = (
-                ECTransferConfig.from_json(self.ec_transfer_config)
-                if self.ec_transfer_config
-                else None
+        ec = self.ec_transfer_config
+        if self.role == "encoder" and (ec is None or not ec.is_producer):
+            raise ValueError(
+                "ec_transfer_config: role encoder needs an encoder-cache "
+                "connector with ec_role ec_producer or ec_both"
             )
-            if self.role == "encoder" and (ec is None or not ec.is_producer):
-                raise ValueError(
-                    "ec_transfer_config: role encoder needs an encoder-cache "
-                    "connector with ec_role ec_producer or ec_both"
-                )
         if self.role in ROLE_NEEDS:
             attr, kv_role = ROLE_NEEDS[self.role]
+            transfer = self.kv_transfer_config
             if transfer is None or not getattr(transfer, attr):
                 raise ValueError(
                     f"kv_transfer_config: role {self.role} needs a KV connector with kv_role "
                     f"{kv_role} or kv_both"
                 )
+
+
+def encode_config(config: EngineConfig) -> bytes:
+    """The config as the engine-core process reads it on stdin (msgpack, typed fields)."""
+    return msgspec.msgpack.encode(config)
+
+
+def decode_config(data: bytes) -> EngineConfig:
+    """``encode_config``'s bytes back to the config (its checks run again; nothing re-parsed)."""
+    return msgspec.msgpack.decode(data, type=EngineConfig)
 
 
 def resolve_device(device: str) -> str:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+from typing import Any
+
+from epdserve.common.cli_fields import config_from
 
 CONNECTORS = {"RedisECConnector": "url", "SharedStorageECConnector": "path"}
 ROLES = ("ec_producer", "ec_consumer", "ec_both")
@@ -11,9 +13,39 @@ ROLES = ("ec_producer", "ec_consumer", "ec_both")
 
 @dataclass(frozen=True)
 class ECTransferConfig:
+    """``{"ec_connector": NAME, "ec_role": ROLE, "ec_connector_extra_config": {...}}``."""
+
     ec_connector: str
-    ec_role: str
-    extra: dict = field(default_factory=dict)
+    ec_role: str = "ec_both"
+    ec_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.ec_connector not in CONNECTORS:
+            raise ValueError(
+                f"ec_transfer_config.ec_connector: must be one of "
+                f"{', '.join(CONNECTORS)}, got {self.ec_connector!r}"
+            )
+        if self.ec_role not in ROLES:
+            raise ValueError(
+                f"ec_transfer_config.ec_role: must be one of {', '.join(ROLES)}, "
+                f"got {self.ec_role!r}"
+            )
+        extra = self.ec_connector_extra_config
+        if extra is None:  # JSON null: no extra config
+            extra = {}
+            object.__setattr__(self, "ec_connector_extra_config", extra)
+        if not isinstance(extra, dict):
+            raise ValueError("ec_transfer_config.ec_connector_extra_config: must be an object")
+        if not extra.get(CONNECTORS[self.ec_connector]):
+            raise ValueError(
+                f"ec_transfer_config.ec_connector_extra_config.{CONNECTORS[self.ec_connector]}: "
+                f"required by {self.ec_connector}"
+            )
+
+    @classmethod
+    def parse(cls, value: str | dict | ECTransferConfig | None) -> ECTransferConfig | None:
+        """From the flag's JSON text (or a dict); every error names the key."""
+        return config_from(cls, value, "ec_transfer_config", required=("ec_connector",))
 
     @property
     def is_producer(self) -> bool:
@@ -25,37 +57,8 @@ class ECTransferConfig:
 
     @property
     def pool(self) -> str:
-        return str(self.extra.get("pool", "default"))
+        return str(self.ec_connector_extra_config.get("pool", "default"))
 
-    @classmethod
-    def from_json(cls, text: str) -> ECTransferConfig:
-        """Parse and validate; every error names the key."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"ec_transfer_config: not valid JSON ({exc.msg})") from exc
-        if not isinstance(data, dict):
-            raise ValueError("ec_transfer_config: must be a JSON object")
-        unknown = set(data) - {"ec_connector", "ec_role", "ec_connector_extra_config"}
-        if unknown:
-            raise ValueError(f"ec_transfer_config.{sorted(unknown)[0]}: unknown key")
-        name = data.get("ec_connector")
-        if name not in CONNECTORS:
-            raise ValueError(
-                f"ec_transfer_config.ec_connector: must be one of "
-                f"{', '.join(CONNECTORS)}, got {name!r}"
-            )
-        role = data.get("ec_role", "ec_both")
-        if role not in ROLES:
-            raise ValueError(
-                f"ec_transfer_config.ec_role: must be one of {', '.join(ROLES)}, got {role!r}"
-            )
-        extra = data.get("ec_connector_extra_config") or {}
-        if not isinstance(extra, dict):
-            raise ValueError("ec_transfer_config.ec_connector_extra_config: must be an object")
-        if not extra.get(CONNECTORS[name]):
-            raise ValueError(
-                f"ec_transfer_config.ec_connector_extra_config.{CONNECTORS[name]}: "
-                f"required by {name}"
-            )
-        return cls(name, role, dict(extra))
+    def storage_options(self) -> dict[str, Any]:
+        """The store's settings: the extra config less the keys the connector reads."""
+        return {k: v for k, v in self.ec_connector_extra_config.items() if k != "pool"}

@@ -17,8 +17,7 @@ from epdserve.connectors.storage.transfer import EncoderOutputIO, rejection_coun
 class ECConnector:
     def __init__(self, config: ECTransferConfig, fingerprint: str):
         self.config = config
-        store_config = {k: v for k, v in config.extra.items() if k != "pool"}
-        self.store = create_store(store_config)
+        self.store = create_store(config.storage_options())
         self.io = EncoderOutputIO(self.store, config.pool, fingerprint)
         self.lookups = self.found = self.loaded = self.load_failures = self.saved = 0
 
@@ -60,7 +59,5 @@ class ECConnector:
         self.store.close()
 
 
-def create_ec_connector(text: str | None, fingerprint: str) -> ECConnector | None:
-    if not text:
-        return None
-    return ECConnector(ECTransferConfig.from_json(text), fingerprint)
+def create_ec_connector(config: ECTransferConfig | None, fingerprint: str) -> ECConnector | None:
+    return None if config is None else ECConnector(config, fingerprint)

@@ -1,6 +1,6 @@
 """KV connectors (DESIGN.md §4): move KV blocks between pods through a shared store.
 
-``KVTransferConfig.from_json(text)`` parses ``--kv-transfer-config``;
+``KVTransferConfig.parse(text)`` parses ``--kv-transfer-config`` (once, at the edge);
 ``create_connector(config, role, layout)`` builds the scheduler- or worker-side instance.
 """
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from epdserve.common.cli_fields import config_from
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTOR_KEYS = ("pool",)  # extra-config keys the connector itself reads; the rest go to storage
@@ -31,32 +32,16 @@ class KVTransferConfig:
                 f"kv_transfer_config.kv_role: must be one of {', '.join(KV_ROLES)}, "
                 f"got {self.kv_role!r}"
             )
+        if self.kv_connector_extra_config is None:  # JSON null: no extra config
+            object.__setattr__(self, "kv_connector_extra_config", {})
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ValueError("kv_transfer_config.kv_connector_extra_config: must be an object")
         KV_CONNECTORS[self.kv_connector].check_extra_config(self.kv_connector_extra_config)
 
     @classmethod
-    def from_json(cls, text: str) -> KVTransferConfig:
-        """Parse and validate; every error names the offending key."""
-        try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"kv_transfer_config: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ValueError("kv_transfer_config: must be a JSON object")
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(
-                f"kv_transfer_config.{unknown[0]}: unknown key; known: {sorted(known)}"
-            )
-        if "kv_connector" not in raw:
-            raise ValueError("kv_transfer_config.kv_connector: required")
-        return cls(
-            raw["kv_connector"],
-            raw.get("kv_role", "kv_both"),
-            raw.get("kv_connector_extra_config") or {},
-        )
+    def parse(cls, value: str | dict | KVTransferConfig | None) -> KVTransferConfig | None:
+        """From the flag's JSON text (or a dict); every error names the offending key."""
+        return config_from(cls, value, "kv_transfer_config", required=("kv_connector",))
 
     @property
     def is_producer(self) -> bool:

@@ -4,11 +4,13 @@ limits of our own; and where a wildcard endpoint binds (the pod IP when known)."
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from epdserve.common.cli_fields import config_from, json_object
 
 PUBLISHERS = ("null", "zmq")
+POSITIVE = ("buffer_steps", "hwm", "max_queue_size", "replay_max_batches", "replay_max_in_flight")
 POD_IP_ENV = "EPDSERVE_POD_IP"  # the operator sets it from the downward API (status.podIP)
 
 
@@ -30,43 +32,32 @@ class KVEventsConfig:
     replay_max_in_flight: int = 64
 
     def __post_init__(self) -> None:
+        name = "kv_events_config"
         if not isinstance(self.enable_kv_cache_events, bool):
-            raise ValueError("kv-events-config: enable_kv_cache_events must be a boolean")
+            raise ValueError(f"{name}.enable_kv_cache_events: must be a boolean")
         if self.publisher not in PUBLISHERS:
-            raise ValueError(f"kv-events-config: publisher must be one of {PUBLISHERS}")
-        for name in (
-            "buffer_steps",
-            "hwm",
-            "max_queue_size",
-            "replay_max_batches",
-            "replay_max_in_flight",
-        ):
-            value = getattr(self, name)
+            raise ValueError(
+                f"{name}.publisher: must be one of {', '.join(PUBLISHERS)}, got {self.publisher!r}"
+            )
+        for key in POSITIVE:
+            value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"kv-events-config: {name} must be a positive integer")
-        for name in ("endpoint", "topic"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"kv-events-config: {name} must be a string")
+                raise ValueError(f"{name}.{key}: must be a positive integer, got {value!r}")
+        for key in ("endpoint", "topic"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"{name}.{key}: must be a string")
         if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
-            raise ValueError("kv-events-config: replay_endpoint must be a string or null")
+            raise ValueError(f"{name}.replay_endpoint: must be a string or null")
 
     @classmethod
-    def from_json(cls, text: str) -> KVEventsConfig:
-        """Parse the flag's JSON; unknown keys are an error naming the key."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv-events-config: invalid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ValueError("kv-events-config: expected a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"kv-events-config: unknown key(s) {unknown}; known: {sorted(known)}")
+    def parse(cls, value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
+        """From the flag's JSON text (or a dict); unknown keys are an error naming the key."""
+        if isinstance(value, str):
+            value = json_object(value, "kv_events_config")
         # vLLM picks the zmq publisher when events are enabled without naming one
-        if data.get("enable_kv_cache_events") and "publisher" not in data:
-            data["publisher"] = "zmq"
-        return cls(**data)
+        if isinstance(value, dict) and value.get("enable_kv_cache_events"):
+            value = {"publisher": "zmq", **value}
+        return config_from(cls, value, "kv_events_config")
 
     @property
     def active(self) -> bool:

@@ -1,6 +1,7 @@
 """The engine-core process: ``python -m epdserve.engine.core.core_proc --input ADDR --output
-ADDR``, its ``EngineConfig`` as JSON on stdin (never on the command line: the KV-transfer
-config may hold a store password, and every local user can read a command line).
+ADDR``, its typed ``EngineConfig`` msgpack-encoded on stdin (``encode_config``; never on the
+command line: the KV-transfer config may hold a store password, and every local user can read
+a command line).
 
 Talks to the frontend over ZeroMQ: a DEALER connected to the frontend's ROUTER receives
 requests and aborts, a PUSH connected to its PULL sends outputs. Everything is msgpack;
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import logging
 import signal
 import sys
@@ -21,13 +21,8 @@ import msgspec
 import zmq
 
 from epdserve.common.logs import setup_logging
-from epdserve.connectors.kv_events import (
-    KVEventsConfig,
-    NullEventPublisher,
-    create_publisher,
-    to_wire_event,
-)
-from epdserve.engine.config import EngineConfig
+from epdserve.connectors.kv_events import NullEventPublisher, create_publisher, to_wire_event
+from epdserve.engine.config import decode_config
 from epdserve.engine.core.encoder_core import EncoderCore
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
@@ -173,14 +168,14 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="epdserve-core", description="EngineConfig JSON on stdin")
+    parser = argparse.ArgumentParser(prog="epdserve-core", description="EngineConfig on stdin")
     parser.add_argument("--input", required=True, help="frontend ROUTER address")
     parser.add_argument("--output", required=True, help="frontend PULL address")
     args = parser.parse_args(argv)
     _die_with_parent()
     setup_logging()  # the API process's --log-level/--log-format, through the environment
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    config = EngineConfig(**json.loads(sys.stdin.read()))
+    config = decode_config(sys.stdin.buffer.read())  # typed as the frontend built it
     core = EncoderCore(config) if config.role == "encoder" else EngineCore(config)
     ctx = zmq.Context()
     input_sock = ctx.socket(zmq.DEALER)
@@ -199,11 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine core ready: %d KV blocks, max_model_len %d", core.num_blocks, core.max_model_len
     )
     publisher = None
-    if config.kv_events_config:
-        publisher = create_publisher(
-            KVEventsConfig.from_json(config.kv_events_config),
-            curve_dir=config.kv_events_curve_dir,
-        )
+    if config.kv_events_config is not None:
+        publisher = create_publisher(config.kv_events_config, curve_dir=config.kv_events_curve_dir)
     try:
         CoreLoop(core, input_sock, output_sock, publisher).run()
     finally:

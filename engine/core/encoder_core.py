@@ -10,11 +10,10 @@ import time
 
 import torch
 
-from epdserve.connectors.ec_connector import create_ec_connector
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.interfaces import EngineCoreOutput, SchedulerStats
 from epdserve.engine.core.step_guard import maybe_fail
-from epdserve.engine.kv_transfer.setup import encoder_fingerprint
+from epdserve.engine.kv_transfer.setup import create_encoder_connector, resolve_identity
 from epdserve.engine.models.loader import load_vision_encoder
 from epdserve.engine.worker.mm_inputs import EncoderOutputs
 
@@ -25,16 +24,14 @@ class EncoderCore:
     """Same loop interface as ``EngineCore`` (add / abort / step / stats)."""
 
     def __init__(self, config: EngineConfig):
-        self.config = config
+        config = self.config = resolve_identity(config)  # the checkpoint's digest, once
         dtype = getattr(torch, config.dtype)
         encoder = load_vision_encoder(config.model, dtype, torch.device(config.device))
         if encoder is None:
             raise ValueError(
                 "role: encoder needs an image+text model (this one has no vision tower)"
             )
-        self.ec_connector = create_ec_connector(
-            config.ec_transfer_config, encoder_fingerprint(config.model, config.dtype)
-        )
+        self.ec_connector = create_encoder_connector(config)
         self.outputs = EncoderOutputs(encoder, self.ec_connector)
         self.pending: dict = {}
         self.max_model_len = 1 << 20

@@ -9,8 +9,6 @@ from typing import Any
 import msgspec
 import torch
 
-from epdserve.connectors.ec_connector import create_ec_connector
-from epdserve.connectors.kv_connector import KVTransferConfig
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature, SchedulerStats
@@ -22,9 +20,9 @@ from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.core.step_guard import StepGuard, maybe_fail
 from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
 from epdserve.engine.kv_transfer.setup import (
+    create_encoder_connector,
     create_kv_connectors,
-    derived_hash_seed,
-    encoder_fingerprint,
+    resolve_identity,
     store_rejections,
 )
 from epdserve.engine.malloc import tune_heap
@@ -53,7 +51,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        self.config = config
+        config = self.config = resolve_identity(config)  # digest and hash seed, once
         torch.manual_seed(config.seed)
         tune_heap()  # activations stay in the heap between steps (engine/malloc.py)
         dtype = getattr(torch, config.dtype)
@@ -83,12 +81,10 @@ class EngineCore:
         self.kv_connectors = connectors or ()
         coordinator = None
         if connectors:
-            can_load = KVTransferConfig.from_json(config.kv_transfer_config).is_consumer
+            can_load = config.kv_transfer_config.is_consumer
             coordinator = KVTransferCoordinator(connectors[0], self.kv, can_load)
         self.vision_encoder = load_vision_encoder(config.model, dtype, device)
-        self.ec_connector = create_ec_connector(
-            config.ec_transfer_config, encoder_fingerprint(config.model, config.dtype)
-        )
+        self.ec_connector = create_encoder_connector(config)
         encoder = None
         if self.vision_encoder is not None:
             tokens = self.vision_encoder.config.mm_tokens_per_image
@@ -118,21 +114,11 @@ class EngineCore:
             self.kv_spec,
         )
         hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
-        self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, self._seed()))
+        self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
         self.eos_token_ids = model_cfg.eos_token_ids
         self.step_count = 0
         self.model_cpu_seconds = 0.0  # process CPU time spent in execute_model
         self.guard = StepGuard()
-
-    def _seed(self) -> str | None:
-        """``--hash-seed``; else, when blocks are named to others (a KV connector or KV
-        events), one every pod of this checkpoint derives alike; else random (None)."""
-        cfg = self.config
-        if cfg.hash_seed is not None or not (cfg.kv_transfer_config or cfg.enable_kv_events):
-            return cfg.hash_seed
-        seed = derived_hash_seed(cfg.model)
-        log.info("hash seed derived from the checkpoint (%s); --hash-seed chooses one", seed)
-        return seed
 
     def _block_shape(self) -> tuple[int, ...]:
         cfg = self.model.config

@@ -1,4 +1,5 @@
-"""Builds a pod's KV connector pair and the fingerprint that keeps models apart in the store."""
+"""Resolves what a pod names blocks and stored values by (checkpoint digest, hash seed), once
+at start, and builds its KV connector pair and encoder-cache connector from the typed config."""
 
 from __future__ import annotations
 
@@ -6,17 +7,19 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
+from epdserve.connectors.ec_connector import ECConnector, create_ec_connector
 from epdserve.connectors.kv_connector import (
     KVConnectorBase,
     KVConnectorRole,
     KVLayout,
-    KVTransferConfig,
     create_connector,
 )
 from epdserve.connectors.storage import fingerprint
 from epdserve.connectors.storage.codec import FORMAT_VERSION, KV_LAYOUT
+from epdserve.engine.config import EngineConfig
 
 log = logging.getLogger("epdserve.kv_transfer")
 
@@ -43,21 +46,36 @@ def weights_digest(model_dir: str) -> str:
     return digest.hexdigest()
 
 
-def derived_hash_seed(model_dir: str) -> str:
-    """The hash seed of a pod given none: every pod serving the same checkpoint derives the
-    same one, so hand-started pods that share a store or a router share prefix names."""
-    return f"epdserve-model:{weights_digest(os.fspath(model_dir))}"
+def resolve_identity(config: EngineConfig) -> EngineConfig:
+    """The config with what a pod names its blocks and stored values by, resolved once at
+    start: ``model_digest`` (read from the checkpoint only when a store or a derived seed needs
+    it) and ``hash_seed``. Without ``--hash-seed``, a pod whose blocks are named to others (a KV
+    connector or KV events) derives one every pod of this checkpoint derives alike, so
+    hand-started pods that share a store or a router share prefix names; else it stays None
+    (random). Already resolved: returned as is."""
+    if config.model_digest is not None:
+        return config
+    names_blocks = config.kv_transfer_config is not None or config.enable_kv_events
+    derive_seed = config.hash_seed is None and names_blocks
+    if not (derive_seed or config.kv_transfer_config or config.ec_transfer_config):
+        return config
+    digest = weights_digest(os.fspath(config.model))
+    seed = config.hash_seed
+    if derive_seed:
+        seed = f"epdserve-model:{digest}"
+        log.info("hash seed derived from the checkpoint (%s); --hash-seed chooses one", seed)
+    return replace(config, model_digest=digest, hash_seed=seed)
 
 
 def model_fingerprint(
-    model_dir: str, dtype: str, block_shape: tuple[int, ...], block_size: int, hash_algo: str
+    digest: str, dtype: str, block_shape: tuple[int, ...], block_size: int, hash_algo: str
 ) -> str:
-    """Identifies model + dtype + layout + block size + hash algorithm + stored format, so
-    blocks of other models (or of the same model in another geometry) are never shared, and
-    pods of two format versions (a rolling upgrade) never read, refuse and delete each
-    other's values."""
+    """Identifies model (its ``weights_digest``) + dtype + layout + block size + hash
+    algorithm + stored format, so blocks of other models (or of the same model in another
+    geometry) are never shared, and pods of two format versions (a rolling upgrade) never
+    read, refuse and delete each other's values."""
     return fingerprint(
-        weights_digest(model_dir),
+        digest,
         dtype,
         KV_LAYOUT,
         tuple(block_shape),
@@ -67,23 +85,22 @@ def model_fingerprint(
     )
 
 
-def encoder_fingerprint(model_dir: str, dtype: str) -> str:
+def encoder_fingerprint(digest: str, dtype: str) -> str:
     """Identifies the vision encoder's outputs: same weights, same dtype, same format."""
-    return fingerprint(
-        weights_digest(os.fspath(model_dir)), dtype, f"encoder-output-v{FORMAT_VERSION}"
-    )
+    return fingerprint(digest, dtype, f"encoder-output-v{FORMAT_VERSION}")
 
 
 def create_kv_connectors(
-    config, block_shape: tuple[int, ...]
+    config: EngineConfig, block_shape: tuple[int, ...]
 ) -> tuple[KVConnectorBase, KVConnectorBase] | None:
-    """``(scheduler side, worker side)`` for ``config.kv_transfer_config``, or None."""
-    if not config.kv_transfer_config:
+    """``(scheduler side, worker side)`` for ``config.kv_transfer_config``, or None; the
+    config is resolved (``resolve_identity``)."""
+    transfer = config.kv_transfer_config
+    if transfer is None:
         return None
-    transfer = KVTransferConfig.from_json(config.kv_transfer_config)
     layout = KVLayout(
         model_fingerprint(
-            os.fspath(config.model),
+            config.model_digest,
             config.dtype,
             block_shape,
             config.block_size,
@@ -102,6 +119,16 @@ def create_kv_connectors(
     return (
         create_connector(transfer, KVConnectorRole.SCHEDULER, layout),
         create_connector(transfer, KVConnectorRole.WORKER, layout),
+    )
+
+
+def create_encoder_connector(config: EngineConfig) -> ECConnector | None:
+    """The encoder-cache connector of ``config.ec_transfer_config``, or None; the config is
+    resolved (``resolve_identity``)."""
+    if config.ec_transfer_config is None:
+        return None
+    return create_ec_connector(
+        config.ec_transfer_config, encoder_fingerprint(config.model_digest, config.dtype)
     )
 
 

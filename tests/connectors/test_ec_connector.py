@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from epdserve.connectors.ec_connector import create_ec_connector
+from epdserve.connectors.ec_connector import ECTransferConfig, create_ec_connector
 
 IMAGE = "3f" * 32  # an image identifier
 CROP = IMAGE + ".1"  # a pan-and-scan crop of it
@@ -30,7 +30,7 @@ def backend(request, tmp_path):
             "ec_role": role,
             "ec_connector_extra_config": {**where, **extra},
         }
-        connector = create_ec_connector(json.dumps(config), fingerprint)
+        connector = create_ec_connector(ECTransferConfig.parse(json.dumps(config)), fingerprint)
         made.append(connector)
         return connector
 
@@ -88,10 +88,10 @@ def test_garbage_in_the_store_is_a_miss_not_an_error(backend):
 
 def flip_last_bit(connector, key: str) -> None:
     """Damage one bit of a stored value in place, behind the store's back."""
-    if "url" in connector.config.extra:
+    if "url" in connector.config.ec_connector_extra_config:
         import redis
 
-        client = redis.Redis.from_url(connector.config.extra["url"])
+        client = redis.Redis.from_url(connector.config.ec_connector_extra_config["url"])
         last = client.strlen(key) - 1
         client.setrange(key, last, bytes([client.getrange(key, last, last)[0] ^ 1]))
         client.close()

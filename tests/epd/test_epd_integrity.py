@@ -18,7 +18,7 @@ from serving_support import ServerProcess
 
 from epdserve.common import metrics_text
 from epdserve.connectors.storage import create_store, ec_key
-from epdserve.engine.kv_transfer.setup import encoder_fingerprint
+from epdserve.engine.kv_transfer.setup import encoder_fingerprint, weights_digest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "connectors" / "storage"))
 from raw_values import RawValues  # noqa: E402
@@ -104,7 +104,7 @@ class Pool:
         self.pods: list[ServerProcess] = []
         self.store = create_store(where)
         self.raw = RawValues(self.store)
-        self.fingerprint = encoder_fingerprint(model, "float32")
+        self.fingerprint = encoder_fingerprint(weights_digest(model), "float32")
         try:
             for role, extra in (
                 ("encoder", ("--ec-transfer-config", config("ec", ec, "ec_producer"))),

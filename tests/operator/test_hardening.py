@@ -97,9 +97,9 @@ def test_the_connectors_accept_the_bounded_configs_the_operator_writes(cache_spe
     from epdserve.connectors.storage import store_config
 
     data = engine.build_config_map(parse_pool(pool_body(roles=EPD, cache=cache_spec)))["data"]
-    kv = KVTransferConfig.from_json(data["kv-transfer-prefill.json"])
-    ec = ECTransferConfig.from_json(data["ec-transfer-encoder.json"])
-    options = [kv.storage_options(), {k: v for k, v in ec.extra.items() if k != "pool"}]
+    kv = KVTransferConfig.parse(data["kv-transfer-prefill.json"])
+    ec = ECTransferConfig.parse(data["ec-transfer-encoder.json"])
+    options = [kv.storage_options(), ec.storage_options()]
     assert [getattr(store_config(o), field) for o in options] == values
 
 

@@ -53,7 +53,7 @@ def serve(*args, **env):
 )
 def test_a_bad_kv_transfer_config_is_refused_naming_the_key(config, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        KVTransferConfig.from_json(json.dumps(config))
+        KVTransferConfig.parse(json.dumps(config))
 
 
 def test_serve_exits_with_a_message_naming_the_bad_key():

@@ -113,13 +113,13 @@ def test_decoder_rejects_token_counts_that_do_not_fill_the_blocks():
 
 
 def test_config_parses_vllm_keys_and_fills_defaults():
-    cfg = KVEventsConfig.from_json(
+    cfg = KVEventsConfig.parse(
         '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
         '"replay_endpoint":"tcp://*:5558","topic":"kv@1.2.3.4:8000@m","buffer_steps":10000}'
     )
     assert cfg.active and cfg.hwm == 100_000 and cfg.max_queue_size == 100_000
-    assert KVEventsConfig.from_json('{"enable_kv_cache_events":true}').publisher == "zmq"
-    assert not KVEventsConfig.from_json("{}").active
+    assert KVEventsConfig.parse('{"enable_kv_cache_events":true}').publisher == "zmq"
+    assert not KVEventsConfig.parse("{}").active
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_config_parses_vllm_keys_and_fills_defaults():
 )
 def test_config_errors_name_the_field(text, field):
     with pytest.raises(ValueError, match=field):
-        KVEventsConfig.from_json(text)
+        KVEventsConfig.parse(text)
 
 
 def test_bind_or_connect_follows_vllms_rule():

@@ -1,0 +1,189 @@
+"""``RouterConfig``: every setting of ``epdserve router``, typed and checked at construction.
+
+Each field is a flag and an ``EPDSERVE_*`` variable (common/cli_fields.py): ``--max-attempts``
+is ``EPDSERVE_MAX_ATTEMPTS``; a flag wins. The operator passes exactly these flag names
+(operator/router.py). Errors name the flag, as the router always has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epdserve.common.cli_fields import setting
+from epdserve.common.logs import FORMATS, LEVELS
+from epdserve.router.strategy import STRATEGIES
+
+POSITIVE_INTS = ("limit_concurrency", "max_upstream_connections", "max_pod_connections")
+POSITIVE_SECONDS = ("timeout_keep_alive", "header_read_timeout", "body_read_timeout")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = setting("0.0.0.0", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    model: str | None = setting(None, "model directory: tokenizer.json + chat template")
+    served_model_name: str | None = setting(None, "the model name clients use")
+    strategy: str = setting("prefix+load", "routing strategy", choices=tuple(sorted(STRATEGIES)))
+    endpoint: list[str] = setting(
+        [], "engine pod http://HOST:PORT[,events=PORT,replay=PORT] (repeat)", repeat=True
+    )
+    prefill_endpoint: list[str] = setting([], "P/D: a prefill pod (repeat)", repeat=True)
+    decode_endpoint: list[str] = setting([], "P/D: a decode pod (repeat)", repeat=True)
+    encoder_endpoint: list[str] = setting([], "E/P/D: an encoder pod (repeat)", repeat=True)
+    discovery: str = setting("static", "how pods are found", choices=("static", "k8s"))
+    namespace: str = setting("default", "k8s discovery: namespace of the pods")
+    selector: str = setting("", "k8s discovery: label selector of the pods")
+    kubeconfig: str | None = setting(None, "k8s discovery: kubeconfig (default: in-cluster)")
+    target_port: int = setting(8000, "k8s discovery: the pods' HTTP port")
+    kv_events_port: int = setting(5557, "pods publish KV events on this port")
+    kv_replay_port: int = setting(5558, "pods' replay port (0: no replay)")
+    kv_events_curve_dir: str | None = setting(
+        None,
+        "CurveZMQ keys for the pods' KV-event sockets: a directory with client.public, "
+        "client.secret and server.public (Z85); default: no Curve",
+    )
+    kv_events_max_message_bytes: int = setting(
+        8 << 20,
+        "largest KV-event frame accepted from a pod; a larger one drops the connection "
+        "(default 8 MiB)",
+    )
+    index_capacity: int = setting(1_000_000, "max blocks in the prefix index")
+    prefix_weight: float = setting(2.0, "prefix+load: weight of the prefix")
+    load_weight: float = setting(1.0, "prefix+load: weight of queue depth")
+    kv_weight: float = setting(0.5, "prefix+load: weight of free KV cache")
+    store_weight: float = setting(
+        1.0,
+        "prefix+load: weight of prefix blocks loadable from the pool's shared store "
+        "(at most --prefix-weight: a local hit beats a store hit)",
+    )
+    balance_threshold: float = setting(
+        4.0, "prefix+load: pods this many requests busier than the least busy go last"
+    )
+    speculative_ttl: float = setting(
+        2.0, "s a routed prompt counts as cached on its pod before its events arrive (0: off)"
+    )
+    block_size: int = setting(16, "pods' block size until their events say")
+    scrape_interval: float = setting(1.0, "seconds between /metrics scrapes")
+    connect_timeout: float = setting(2.0, "upstream connect timeout (s)")
+    upstream_timeout: float = setting(600.0, "upstream read timeout (s)")
+    max_attempts: int = setting(
+        3,
+        "pods tried per request before 503 (only pod failures move on: refused, "
+        "reset before the headers, 503)",
+    )
+    failure_backoff: float = setting(
+        2.0, "s a pod that refused a request stays out of rotation (grows with repeats, x8 max)"
+    )
+    max_body_bytes: int = setting(
+        32 * 1024 * 1024, "larger request bodies get 413 (image data URLs are big)"
+    )
+    limit_concurrency: int = setting(
+        4096,
+        "open client connections plus requests in progress beyond which the router "
+        "answers 503 (room for 1,000 slow clients, which the read timeouts close)",
+    )
+    timeout_keep_alive: float = setting(5.0, "s an idle client connection stays")
+    header_read_timeout: float = setting(
+        10.0, "s a client has to send the request line and headers (408 and close)"
+    )
+    body_read_timeout: float = setting(
+        60.0, "s a client has to send the whole request body (408 and close)"
+    )
+    max_upstream_connections: int = setting(
+        4096,
+        "connections to all pods together; a request that finds none free within "
+        "--connect-timeout gets 503 with Retry-After",
+    )
+    max_pod_connections: int = setting(
+        1024,
+        "requests in flight to one pod; a pod at this count is busy (others are "
+        "tried; all busy: 503 with Retry-After)",
+    )
+    api_key: str | None = setting(
+        None, "require Authorization: Bearer KEY on every route but /health, /ready, /metrics"
+    )
+    log_level: str = setting(
+        "info",
+        "log level; per-request and per-scrape lines only at debug",
+        choices=LEVELS,
+        lower=True,
+    )
+    log_format: str = setting(
+        "text",
+        "text lines, or json: one object per line (time, level, logger, message)",
+        choices=FORMATS,
+    )
+    access_log: bool = setting(
+        False, "log one line per HTTP request (uvicorn's access log; off by default)"
+    )
+
+    def __post_init__(self) -> None:
+        """Check flag combinations; raises ValueError naming the flag."""
+        pd = self.prefill_endpoint or self.decode_endpoint or self.encoder_endpoint
+        if self.discovery == "static" and not (self.endpoint or pd):
+            raise ValueError(
+                "--endpoint (or --prefill-endpoint and --decode-endpoint) is required "
+                "with --discovery static"
+            )
+        both = self.prefill_endpoint and self.decode_endpoint
+        if self.discovery == "static" and pd and not both:
+            raise ValueError("P/D needs both --prefill-endpoint and --decode-endpoint")
+        if self.discovery == "k8s" and not self.selector:
+            raise ValueError("--selector is required with --discovery k8s")
+        for flag in ("index_capacity", "block_size", "max_body_bytes", *POSITIVE_INTS):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+        for flag in ("scrape_interval", *POSITIVE_SECONDS):
+            if getattr(self, flag) <= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+        if self.failure_backoff < 0:
+            raise ValueError("--failure-backoff must be >= 0")
+        if self.kv_events_max_message_bytes < 1024:
+            raise ValueError("--kv-events-max-message-bytes must be >= 1024")
+
+    def strategy_weights(self) -> dict[str, float]:
+        """The keyword arguments of ``make_strategy(self.strategy)``."""
+        if self.strategy != "prefix+load":
+            return {}
+        return {
+            "prefix_weight": self.prefix_weight,
+            "load_weight": self.load_weight,
+            "kv_weight": self.kv_weight,
+            "balance_threshold": self.balance_threshold,
+            "store_weight": self.store_weight,
+        }
+
+    def event_options(self):
+        """The pods' event sockets as configured; a bad key file is a ValueError naming it."""
+        from epdserve.connectors.kv_events import CurveClientKeys
+        from epdserve.router.subscriber import EventSocketOptions
+
+        curve = CurveClientKeys.load(self.kv_events_curve_dir) if self.kv_events_curve_dir else None
+        return EventSocketOptions(curve, self.kv_events_max_message_bytes)
+
+    def proxy_settings(self):
+        from epdserve.router.app import ProxySettings
+
+        return ProxySettings(
+            connect_timeout=self.connect_timeout,
+            upstream_timeout=self.upstream_timeout,
+            max_attempts=self.max_attempts,
+            failure_backoff=self.failure_backoff,
+            scrape_interval=self.scrape_interval,
+            max_body_bytes=self.max_body_bytes,
+            api_key=self.api_key or None,
+            body_timeout=self.body_read_timeout,
+            max_upstream_connections=self.max_upstream_connections,
+            max_pod_connections=self.max_pod_connections,
+        )
+
+    def http_limits(self):
+        """Concurrency limit, keep-alive and read deadlines of the client side."""
+        from epdserve.connectors.slow_clients import HTTPLimits
+
+        return HTTPLimits(
+            limit_concurrency=self.limit_concurrency,
+            timeout_keep_alive=self.timeout_keep_alive,
+            header_timeout=self.header_read_timeout,
+            body_timeout=self.body_read_timeout,
+        )
