@@ -81,7 +81,7 @@ class LLM:
                     images.append(load_image_url(url, self.inputs.image_limits, where))
                 elif part.get("type") == "image":
                     images.append(LoadedImage(part["image"].convert("RGB"), b""))
-        return self.inputs.render_chat(conversation, images, True, None, processor_kwargs)
+        return self.inputs.render_chat(conversation, images, None, processor_kwargs)
 
     def _prompt(self, prompt) -> ProcessedPrompt:
         if isinstance(prompt, ProcessedPrompt):

@@ -1,16 +1,16 @@
-"""Tokenizer and chat template straight from a model directory (``tokenizers`` + jinja2)."""
+"""Tokenizer straight from a model directory (``tokenizers``); chat templates are
+``epdserve.common.chat_template``'s."""
 
 from __future__ import annotations
 
 import json
-from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 
 class TokenizerInfo:
-    """Encode, decode, and render the chat template of a HF model directory."""
+    """Encode and decode with a HF model directory's tokenizer."""
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -22,10 +22,6 @@ class TokenizerInfo:
         config = _read_json(model_dir / "tokenizer_config.json")
         self.bos_token = _token_str(config.get("bos_token"))
         self.eos_token = _token_str(config.get("eos_token"))
-        template = model_dir / "chat_template.jinja"
-        self.chat_template = (
-            template.read_text() if template.is_file() else config.get("chat_template")
-        )
         gen = _read_json(model_dir / "generation_config.json")
         eos = gen.get("eos_token_id", _read_json(model_dir / "config.json").get("eos_token_id"))
         if eos is None and self.eos_token:
@@ -50,51 +46,6 @@ class TokenizerInfo:
 
     def id_to_token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    @cached_property
-    def hf(self):
-        """transformers' tokenizer of the checkpoint: its ``apply_chat_template`` is the one
-        chat-template renderer (the router renders with it too)."""
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.model_dir)
-
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
-    ) -> str:
-        """The prompt text of ``messages``; ``kwargs`` are template variables
-        (``chat_template_kwargs``, ``tools``, ...). Errors are ``ValueError``s naming the part."""
-        from jinja2 import TemplateError
-
-        if not self.chat_template:
-            raise ValueError("messages: this model has no chat template")
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-        if reserved:
-            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set")
-        try:
-            return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
-        except TemplateError as exc:
-            raise ValueError(f"messages: {exc}") from None
-
-
-# apply_chat_template's own arguments: a client must not reach them through template variables
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-        "chat_template",
-        "add_generation_prompt",
-    }
-)
 
 
 def _read_json(path: Path) -> dict:

@@ -11,12 +11,13 @@ import asyncio
 import json
 from pathlib import Path
 
-from epdserve.common.chat_parts import image_parts
+from epdserve.common.chat_parts import IMAGE_PART_TYPES, image_parts, template_messages
+from epdserve.common.chat_template import ChatTemplate
 from epdserve.engine.inputs.budget import check_request_pixels
 from epdserve.engine.inputs.image_processor import ImageProcessor, check_processor_kwargs
 from epdserve.engine.inputs.images import ImageLimits, LoadedImage, load_image_url_async
 from epdserve.engine.inputs.prompt import ProcessedPrompt, PromptRules, from_wire
-from epdserve.engine.tokenizer import RESERVED_TEMPLATE_KWARGS, TokenizerInfo
+from epdserve.engine.tokenizer import TokenizerInfo
 
 
 def is_multimodal(model_dir: str) -> bool:
@@ -37,6 +38,7 @@ class InputProcessor:
         processor_kwargs: dict | None = None,
     ):
         self.tok = tokenizer or TokenizerInfo(model_dir)
+        self.template = ChatTemplate.from_dir(model_dir)
         self.model_id = model_id
         self.image_limits = image_limits or ImageLimits()
         self.max_images = max_images
@@ -79,10 +81,11 @@ class InputProcessor:
         for i, message in enumerate(messages):
             content = message.get("content")
             for j, part in enumerate(content if isinstance(content, list) else []):
-                if part.get("type") not in ("text", "image_url"):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" and kind not in IMAGE_PART_TYPES:
                     raise ValueError(
-                        f"messages[{i}].content[{j}].type: {part.get('type')!r} is not "
-                        "supported (text or image_url)"
+                        f"messages[{i}].content[{j}].type: {kind!r} is not supported "
+                        "(text or image_url)"
                     )
         urls = []
         for part in image_parts(messages):
@@ -96,38 +99,30 @@ class InputProcessor:
         return urls
 
     async def chat(
-        self,
-        messages: list[dict],
-        add_generation_prompt: bool = True,
-        template_kwargs: dict | None = None,
-        processor_kwargs: dict | None = None,
+        self, messages: list[dict], options: dict, processor_kwargs: dict | None = None
     ) -> ProcessedPrompt:
-        """OpenAI chat ``messages`` (plain JSON) -> processed prompt. Images are fetched
+        """OpenAI chat ``messages`` (plain JSON) -> processed prompt; ``options`` are the
+        renderer's (``common.chat_template.render_options``). Images are fetched
         concurrently, everything else runs in a worker thread."""
         urls = self.check_chat_images(messages)
         images = await asyncio.gather(
             *(load_image_url_async(u, self.image_limits, w) for u, w in urls)
         )
         return await asyncio.to_thread(
-            self.render_chat,
-            messages,
-            images,
-            add_generation_prompt,
-            template_kwargs,
-            processor_kwargs,
+            self.render_chat, messages, images, options, processor_kwargs
         )
 
     def render_chat(
         self,
         messages: list[dict],
         images: list[LoadedImage],
-        add_generation_prompt: bool = True,
-        template_kwargs: dict | None = None,
+        options: dict | None = None,
         processor_kwargs: dict | None = None,
     ) -> ProcessedPrompt:
-        text = self.tok.apply_chat_template(
-            template_messages(messages), add_generation_prompt, **(template_kwargs or {})
-        )
+        if self.template is None:
+            raise ValueError("messages: this model has no chat template")
+        chat, _ = template_messages(messages)
+        text = self.template.render(chat, **(options or {"add_generation_prompt": True}))
         if processor_kwargs is not None and self.images is None:
             raise ValueError("mm_processor_kwargs: this model takes no image inputs")
         if images:
@@ -154,30 +149,7 @@ class InputProcessor:
         return self.images.process(text, images, add_special_tokens, processor_kwargs)
 
     # --- a prompt processed upstream ----------------------------------------------------
-    def accept(self, wire, template_kwargs: dict | None = None) -> ProcessedPrompt:
+    def accept(self, wire) -> ProcessedPrompt:
         """A ``processed_prompt`` a previous pod (through the router) made: checked, taken
         as is; its images are named only (their outputs are in the shared store)."""
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & (template_kwargs or {}).keys())
-        if reserved:  # refused as when this pod renders the template itself
-            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set")
         return from_wire(wire, self.rules)
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Template-ready messages: image parts (``image_url``, or the offline API's ``image``)
-    as ``{"type": "image"}``; a message of text parts only is one string."""
-    out = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            parts = [
-                {"type": "image"}
-                if p.get("type") in ("image_url", "image")
-                else {"type": "text", "text": p.get("text") or ""}
-                for p in content
-            ]
-            if not any(p["type"] == "image" for p in parts):
-                parts = "".join(p["text"] for p in parts)
-            content = parts
-        out.append({"role": message.get("role"), "content": content or ""})
-    return out

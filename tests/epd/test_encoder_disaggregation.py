@@ -159,3 +159,67 @@ def test_an_encoder_pod_refuses_text_only_requests(pods):
         json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+
+
+def text_only(req: dict) -> dict:
+    from epdserve.common.chat_parts import without_images
+
+    return {**req, "messages": without_images(req["messages"])}
+
+
+def test_the_prompt_is_processed_once_and_pixels_reach_only_the_encoder(pods, models):
+    encoder, prefill, decode = pods
+    url = data_url((20, 200, 30))
+    sent = [p.metric("epdserve:core_input_bytes_total") for p in pods]
+    enc = httpx.post(encoder.url + "/v1/chat/completions", json=body(url), timeout=60).json()
+    processed = enc["processed_prompt"]
+    assert [i["id"] for i in processed["mm_items"]] == enc["ec_transfer_params"]["mm_ids"]
+    pre = httpx.post(
+        prefill.url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            **text_only(body(url)),
+            "processed_prompt": processed,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    ).json()
+    assert pre["processed_prompt"] == processed
+    dec = httpx.post(
+        decode.url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            **text_only(body(url)),
+            "processed_prompt": processed,
+            "kv_transfer_params": pre["kv_transfer_params"],
+        },
+    ).json()
+    assert dec["choices"][0]["message"]["content"] == offline_text(models, url)
+    grew = [p.metric("epdserve:core_input_bytes_total") - s for p, s in zip(pods, sent)]
+    pixels = 3 * 64 * 64 * 4  # the tiny Gemma3's processed image, float32
+    assert grew[0] > pixels and grew[1] < pixels / 8 and grew[2] < pixels / 8
+
+
+def test_a_processed_prompt_naming_an_image_no_store_has_fails_alone(pods):
+    _, prefill, _ = pods
+    url = data_url((1, 2, 3))
+    enc = httpx.post(pods[0].url + "/v1/chat/completions", json=body(url), timeout=60).json()
+    forged = json.loads(json.dumps(enc["processed_prompt"]))
+    forged["mm_items"][0]["id"] = "f" * 64
+    resp = httpx.post(
+        prefill.url + "/v1/chat/completions",
+        json={**text_only(body(url)), "processed_prompt": forged},
+        timeout=60,
+    )
+    assert resp.status_code == 500 and "never got its pixels" in resp.json()["error"]["message"]
+    bad = {**forged, "mm_items": [{**forged["mm_items"][0], "offset": 0}]}
+    resp = httpx.post(
+        prefill.url + "/v1/chat/completions",
+        json={**text_only(body(url)), "processed_prompt": bad},
+        timeout=60,
+    )
+    assert (
+        resp.status_code == 400 and "processed_prompt.mm_items" in resp.json()["error"]["message"]
+    )
+    ok = httpx.post(prefill.url + "/v1/chat/completions", json=body(url), timeout=60)
+    assert ok.status_code == 200

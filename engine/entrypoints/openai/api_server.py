@@ -84,8 +84,6 @@ class ServerState:
     async def start(self) -> None:
         try:
             await self.engine.start()
-            if self.engine.tokenizer.chat_template:  # load the renderer before the port opens
-                await asyncio.to_thread(lambda: self.engine.tokenizer.hf)
         except Exception:
             log.exception("engine failed to start")
             await self.engine.shutdown()
@@ -255,7 +253,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                     }
                     for m in req.messages
                 ]
-                ids = serving.inputs.render_chat(messages, [], req.add_generation_prompt).token_ids
+                options = {"add_generation_prompt": req.add_generation_prompt}
+                ids = serving.inputs.render_chat(messages, [], options).token_ids
             elif req.prompt is not None:
                 ids = serving.inputs.completion(req.prompt, req.add_special_tokens).token_ids
             else:

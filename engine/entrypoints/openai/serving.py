@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from epdserve.common.chat_template import render_options
 from epdserve.engine.async_llm import AsyncLLM
 from epdserve.engine.entrypoints.openai.errors import APIError, from_value_error
 from epdserve.engine.entrypoints.openai.limits import (
@@ -115,17 +116,13 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
+            options = render_options(req)  # checks chat_template_kwargs in both cases
             if req.processed_prompt is not None:
-                prompt = self.inputs.accept(req.processed_prompt, req.chat_template_kwargs)
+                prompt = self.inputs.accept(req.processed_prompt)
             else:
                 if self.role == "encoder" and not self.inputs.check_chat_images(messages):
                     raise ValueError("messages: an encoder pod serves requests with images only")
-                prompt = await self.inputs.chat(
-                    messages,
-                    req.add_generation_prompt,
-                    req.chat_template_kwargs,
-                    req.mm_processor_kwargs,
-                )
+                prompt = await self.inputs.chat(messages, options, req.mm_processor_kwargs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
         if self.role == "encoder" and not prompt.items:
