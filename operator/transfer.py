@@ -8,7 +8,9 @@ from epdserve.operator.spec import PoolSpec
 
 # role -> kv_role / ec_role of the connectors (None: the role does not use that connector)
 KV_ROLE = {"colocated": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
-EC_ROLE = {"encoder": "ec_producer", "prefill": "ec_consumer", "decode": "ec_consumer"}
+# the prefill pod stores the images it encodes itself (no encoder pod, or the encoder leg
+# was skipped): the decode pod gets a processed prompt naming them, never the images
+EC_ROLE = {"encoder": "ec_producer", "prefill": "ec_both", "decode": "ec_consumer"}
 CONNECTORS = {
     "redis": ("RedisConnector", "RedisECConnector"),
     "sharedStorage": ("SharedStorageConnector", "SharedStorageECConnector"),
@@ -23,17 +25,27 @@ def redis_url(pool: PoolSpec) -> str:
 
 
 EC_SHARE = 0.25  # of sharedStorage.maxBytes for encoder outputs, when the pool has encoders
+# without encoder pods, only a prefill pod stores the images it encoded, for its decode pod
+# (a recompute after a missed KV load, or a span in the prompt's last partial block)
+EC_SHARE_PD = 1 / 16
+
+
+def moves_encoder_outputs(pool: PoolSpec) -> bool:
+    """Pools with encoder or prefill/decode pods pass image outputs through the store."""
+    return "encoder" in pool.roles or "prefill" in pool.roles
 
 
 def storage_cap(pool: PoolSpec, kind: str) -> int | None:
     """Byte cap of the `kind` ("kv" or "ec") directory on the shared volume: the whole
-    `maxBytes` for KV blocks, split 3:1 with encoder outputs when the pool has encoders."""
+    `maxBytes` for KV blocks of colocated pools; else split with encoder outputs, 3:1 when
+    the pool has encoder pods and 15:1 when it has only prefill/decode pods."""
     total = pool.cache.storage_max_bytes
     if total is None:
         return None
-    if "encoder" not in pool.roles:
+    if not moves_encoder_outputs(pool):
         return total
-    ec = max(1, int(total * EC_SHARE))
+    share = EC_SHARE if "encoder" in pool.roles else EC_SHARE_PD
+    ec = max(1, int(total * share))
     return ec if kind == "ec" else max(1, total - ec)
 
 
@@ -63,8 +75,8 @@ def kv_transfer_config(pool: PoolSpec, role: str) -> dict | None:
 
 
 def ec_transfer_config(pool: PoolSpec, role: str) -> dict | None:
-    """`--ec-transfer-config` of a role; only pools with encoder pods move encoder outputs."""
-    if pool.cache.backend == "none" or "encoder" not in pool.roles or role not in EC_ROLE:
+    """`--ec-transfer-config` of a role; disaggregated pools move encoder outputs."""
+    if pool.cache.backend == "none" or not moves_encoder_outputs(pool) or role not in EC_ROLE:
         return None
     return {
         "ec_connector": CONNECTORS[pool.cache.backend][1],

@@ -197,31 +197,34 @@ def start_pool(pool: Pool, args, model: str) -> None:
         say("starting redis-server ...")
         url = start_redis(pool)
 
-        def kv(role: str) -> list[str]:
-            config = {
+        def kv(role: str, ec_role: str) -> list[str]:
+            kv_config = {
                 "kv_connector": "RedisConnector",
                 "kv_role": role,
                 "kv_connector_extra_config": {"url": url},
             }
-            return ["--kv-transfer-config", json.dumps(config)]
+            return ["--kv-transfer-config", json.dumps(kv_config), *ec(ec_role)]
 
-        if args.mode == "epd":
-            ec = {
+        def ec(role: str) -> list[str]:
+            # image outputs travel through the store: later pods get a processed prompt
+            # that names the images, never the images themselves
+            config = {
                 "ec_connector": "RedisECConnector",
-                "ec_role": "ec_producer",
+                "ec_role": role,
                 "ec_connector_extra_config": {"url": url},
             }
-            enc = start_engine(
-                pool, args, model, "encoder", "encoder", ["--ec-transfer-config", json.dumps(ec)]
-            )
+            return ["--ec-transfer-config", json.dumps(config)]
+
+        if args.mode == "epd":
+            enc = start_engine(pool, args, model, "encoder", "encoder", ec("ec_producer"))
             router_endpoints += ["--encoder-endpoint", enc]
         router_endpoints += [
             "--prefill-endpoint",
-            start_engine(pool, args, model, "prefill", "prefill", kv("kv_producer")),
+            start_engine(pool, args, model, "prefill", "prefill", kv("kv_producer", "ec_both")),
         ]
         router_endpoints += [
             "--decode-endpoint",
-            start_engine(pool, args, model, "decode", "decode", kv("kv_consumer")),
+            start_engine(pool, args, model, "decode", "decode", kv("kv_consumer", "ec_consumer")),
         ]
     say(f"starting the router on http://{args.host}:{args.port} ...")
     pool.spawn(

@@ -79,7 +79,9 @@ def test_kv_roles_follow_the_pool_shape():
             "ttl_s": 3600,  # the default expiry of stored values
         },
     }
-    assert engine.ec_transfer_config(pd, "prefill") is None  # no encoder pods: no EC connector
+    # no encoder pods: the prefill pod stores the images it encodes for its decode pod
+    assert engine.ec_transfer_config(pd, "prefill")["ec_role"] == "ec_both"
+    assert engine.ec_transfer_config(pd, "decode")["ec_role"] == "ec_consumer"
     cached = parse_pool(
         pool_body(cache={"backend": "sharedStorage", "sharedStorage": {"claimName": "c"}})
     )
@@ -98,6 +100,7 @@ def test_encoder_outputs_flow_from_encoder_to_prefill_and_decode():
             "max_bytes": 45 << 30,  # a quarter of the example's 180Gi cap
         },
     }
+    assert engine.ec_transfer_config(pool, "prefill")["ec_role"] == "ec_both"
     assert engine.ec_transfer_config(pool, "decode")["ec_role"] == "ec_consumer"
     assert engine.kv_transfer_config(pool, "encoder") is None
     encoder_env = env_of(engine.build_engine_deployment(pool, "encoder"))

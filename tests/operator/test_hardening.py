@@ -76,11 +76,11 @@ def test_the_shared_volume_cap_is_split_three_to_one_with_encoder_outputs():
     assert (kv["path"], ec["path"]) == ("/cache/kv", "/cache/ec")
 
 
-def test_without_encoders_kv_blocks_get_the_whole_volume_cap():
-    pool = parse_pool(pool_body(roles=PD, cache=shared(maxBytes="10G")))
-    assert engine.kv_transfer_config(pool, "decode")["kv_connector_extra_config"]["max_bytes"] == (
-        10**10
-    )
+def test_without_encoders_kv_blocks_get_fifteen_sixteenths_of_the_volume_cap():
+    pool = parse_pool(pool_body(roles=PD, cache=shared(maxBytes="16G")))
+    kv = engine.kv_transfer_config(pool, "decode")["kv_connector_extra_config"]
+    ec = engine.ec_transfer_config(pool, "prefill")["ec_connector_extra_config"]
+    assert (kv["max_bytes"], ec["max_bytes"]) == (15 * 10**9, 10**9)
 
 
 @pytest.mark.parametrize(
