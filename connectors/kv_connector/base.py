@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
@@ -19,6 +20,15 @@ import msgspec
 class KVConnectorRole(enum.Enum):
     SCHEDULER = 0
     WORKER = 1
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What makes stored blocks interchangeable between pods (see DESIGN.md §3)."""
+
+    fingerprint: str  # model + dtype + cache geometry
+    block_size: int
+    hash_algo: str
 
 
 class KVRequest(Protocol):

@@ -2,13 +2,13 @@
 
 Each step, every scheduled request's ``num_computed_tokens`` catches up with its tokens
 by up to its share of the budget; long prompts are chunked; when blocks run out the
-lowest-priority running request is preempted (recomputed later).
+lowest-priority running request is preempted (recomputed later). Where requests are and
+how they move outside admission (finish, preempt, roll back) is ``request_queues.py``.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from epdserve.connectors.kv_connector import ScheduledRequest
 from epdserve.engine.core.interfaces import (
@@ -21,6 +21,7 @@ from epdserve.engine.core.interfaces import (
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
+from epdserve.engine.core.request_queues import RequestQueues
 from epdserve.engine.core.sched_utils import check_stop, make_output
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
 from epdserve.engine.kv_transfer.coordinator import LoadStart
@@ -29,14 +30,9 @@ if TYPE_CHECKING:
     from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
 
 
-class UndoneSchedule(NamedTuple):
-    """What ``Scheduler.undo_schedule`` found of a ``schedule()`` that raised midway."""
+class Scheduler(RequestQueues):
+    """Each step's batch within the token budget, and the step's results applied."""
 
-    culprit: str | None  # the request it was handling when it raised, if any
-    scheduled: list[str]  # the requests it had scheduled before that
-
-
-class Scheduler:
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,
@@ -46,86 +42,12 @@ class Scheduler:
         kv_transfer: KVTransferCoordinator | None = None,
         encoder: EncoderScheduler | None = None,
     ):
-        self.kv = kv_cache_manager
-        self.kv_transfer = kv_transfer  # a KV connector's scheduler side, if any
-        self.encoder = encoder  # multimodal models: encoder inputs and their cache
+        super().__init__(kv_cache_manager, kv_transfer, encoder)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.finished_req_ids: set[str] = set()  # to tell the runner next step
-        self.num_preemptions = 0
         self.prompt_sources = [0, 0, 0]  # prompt tokens: computed, local cache hit, loaded
-        self.solo_id: str | None = None  # see run_solo()
-        self.untold_encoder_frees: list[str] = []  # of a rolled-back step, told with the next
         self.update_failures: list[tuple[str, Exception]] = []  # of the last update
-        # what schedule() is doing, so that a step that raised midway can be undone
-        self.scheduling: Request | None = None
-        self._step_scheduled: dict[str, int] = {}
-        self._step_advanced = False
-        self._step_output: SchedulerOutput | None = None
-
-    # --- requests in and out -------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:  # refused: the live one keeps its state
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
-
-    def label_of(self, request_id: str) -> str | None:
-        """The client's label of a live request (``X-Request-Id``): logs and tests only."""
-        return getattr(self.requests.get(request_id), "label", None)
-
-    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
-        """Finish (e.g. abort) requests wherever they are; frees their blocks."""
-        done = []
-        for req_id in request_ids:
-            request = self.requests.get(req_id)
-            if request is None:
-                continue
-            if request.is_finished:  # finished but not yet freed: an update failed midway
-                if request in self.running:
-                    self.running.remove(request)
-            elif request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self.waiting.remove(request)
-            request.status = status
-            self._free(request)
-            done.append(request)
-        return done
-
-    def preempt(self, request: Request) -> None:
-        """Send a running request back to the queue (its KV is recomputed later)."""
-        if request in self.running:  # not after a schedule() that raised while preempting it
-            self.running.remove(request)
-        self._preempt(request, {}, [])
-
-    def _free(self, request: Request) -> tuple[dict | None, bool]:
-        """Free (or hand to the connector) a finished request: ``(kv_transfer_params, held)``."""
-        result = None, False
-        if self.kv_transfer is None:
-            self.kv.free(request)
-        else:
-            result = self.kv_transfer.finish(request)
-        if self.encoder is not None and request.mm_features:
-            self.encoder.free(request)
-        self.finished_req_ids.add(request.request_id)
-        del self.requests[request.request_id]
-        return result
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.requests
-
-    def request_ids(self) -> list[str]:
-        """Every live request, in arrival order."""
-        return list(self.requests)
-
-    def has_unfinished_requests(self) -> bool:
-        pending = self.kv_transfer is not None and self.kv_transfer.has_pending()
-        return bool(self.waiting or self.running or pending)
 
     # --- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -168,7 +90,10 @@ class Scheduler:
             blocks = self.kv.allocate_slots(request, n)
             while blocks is None:
                 victim = self.running.pop()
-                self._preempt(victim, num_scheduled, cached_reqs)
+                self._requeue_preempted(victim)
+                if victim.request_id in num_scheduled:  # already scheduled this step: undo
+                    del num_scheduled[victim.request_id]
+                    cached_reqs.remove(victim)
                 preempted = True
                 if victim is request:
                     break
@@ -259,21 +184,6 @@ class Scheduler:
         transfer = self.kv_transfer
         return transfer is not None and not self.running and transfer.unpin(self.waiting, head)
 
-    def _preempt(self, victim: Request, num_scheduled: dict, cached_reqs: list) -> None:
-        if self.kv_transfer is None:
-            self.kv.free(victim)
-        else:
-            self.kv_transfer.preempt(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        self.finished_req_ids.add(victim.request_id)  # the runner forgets it
-        if victim.request_id in num_scheduled:  # already scheduled this step: undo
-            del num_scheduled[victim.request_id]
-            cached_reqs.remove(victim)
-        self.waiting.appendleft(victim)
-
     def _build_output(self, new_reqs, cached_reqs, new_block_ids, num_scheduled) -> SchedulerOutput:
         new_data = [
             NewRequestData(
@@ -319,66 +229,6 @@ class Scheduler:
             )
         return out
 
-    # --- for the step guard --------------------------------------------------------------
-    def run_solo(self, request_id: str | None) -> None:
-        """From the next ``schedule()`` on, schedule only ``request_id`` (running requests
-        are preempted when it needs their blocks); None: schedule every request again.
-        Mutates only which request ``schedule()`` picks."""
-        self.solo_id = request_id
-
-    def rollback(self, sched: SchedulerOutput) -> list[str]:
-        """Undo the step ``sched`` whose forward never ran (or raised): returns the requests
-        of its batch that were still running, now preempted (recomputed later, token-exact).
-        Mutates: the connector forgets the step's planned saves (its loads go out with the
-        next step); the KV manager un-names the blocks those requests named in the prefix
-        cache this step (their KV may never have been written) and frees or holds their
-        blocks; ``running``/``waiting``; the step's finished request ids and freed encoder
-        outputs are told to the runner with the next step."""
-        if self.kv_transfer is not None:  # first: preempting asks who is still saving
-            self.kv_transfer.step_failed(sched.kv_connector_metadata)
-        batch = []
-        for req_id, n in sched.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue
-            self.kv.forget_uncomputed(request, request.num_computed_tokens - n)
-            self.preempt(request)
-            batch.append(req_id)
-        self.finished_req_ids.update(sched.finished_req_ids)
-        self.untold_encoder_frees += sched.free_encoder_ids
-        return batch
-
-    def undo_schedule(self) -> UndoneSchedule:
-        """Undo a ``schedule()`` that raised midway. Mutates: every running request is
-        preempted (recomputed later, token-exact) once the KV manager un-names the blocks
-        this step named past its computed tokens; requests it had taken off the queue go
-        back to it (blocks their admission named are un-named and freed); if it had built
-        its output, that output's finished request ids and freed encoder outputs are told
-        to the runner with the next step."""
-        culprit, self.scheduling = self.scheduling, None
-        scheduled, self._step_scheduled = self._step_scheduled, {}
-        advanced = scheduled if self._step_advanced else {}
-        out, self._step_output, self._step_advanced = self._step_output, None, False
-        if out is not None:
-            self.finished_req_ids.update(out.finished_req_ids)
-            self.untold_encoder_frees += out.free_encoder_ids
-        if culprit is not None and culprit.status != RequestStatus.RUNNING:
-            self.kv.forget_uncomputed(culprit, 0)  # what its admission may have named
-        for request in list(self.running):
-            computed = request.num_computed_tokens - advanced.get(request.request_id, 0)
-            self.kv.forget_uncomputed(request, computed)
-            self.preempt(request)
-        queued = {id(r) for r in self.waiting}
-        for request in list(self.requests.values()):
-            if id(request) in queued or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                continue
-            self.kv.forget_uncomputed(request, 0)
-            if request.status == RequestStatus.RUNNING:  # taken off ``running`` midway
-                self.preempt(request)
-            else:
-                self.waiting.appendleft(request)
-        return UndoneSchedule(culprit.request_id if culprit is not None else None, list(scheduled))
-
     # --- after the forward -------------------------------------------------------------
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
@@ -422,11 +272,3 @@ class Scheduler:
             self.kv_transfer.hold_output(output)  # sent once the next pod can load it
             return None
         return output
-
-    # --- stats ---------------------------------------------------------------------------
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def num_waiting(self) -> int:
-        loading = len(self.kv_transfer.loading) if self.kv_transfer is not None else 0
-        return len(self.waiting) + loading

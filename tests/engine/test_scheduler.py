@@ -9,7 +9,8 @@ from epdserve.engine.core.interfaces import CachedRequestData, ModelRunnerOutput
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
-from epdserve.engine.core.scheduler import Scheduler, UndoneSchedule
+from epdserve.engine.core.request_queues import UndoneSchedule
+from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.core.step_guard import InjectedFault
 from epdserve.engine.sampling_params import SamplingParams
 

@@ -1,0 +1,231 @@
+"""The scheduler side of a storage connector: what to load from the store, what to save.
+
+It looks up how many leading prompt blocks the store holds (or trusts the hashes a prefill
+pod handed over), queues loads into freshly allocated blocks, asks for each block to be
+saved once, right after the forward that fills it, and turns what the worker side reports
+stored (or found gone) into store-tier KV events.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from epdserve.connectors.kv_connector.base import (
+    BlockTransfer,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVLayout,
+    KVRequest,
+    ScheduledRequest,
+)
+from epdserve.connectors.kv_connector.config import KVTransferConfig
+from epdserve.connectors.kv_events import STORE_MEDIUM, BlockRemoved, BlockStored, hash_to_int
+from epdserve.connectors.kv_events.keys import extend_keys
+from epdserve.connectors.storage import KVBlockIO
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_WAIT_S = 0.005  # a healthy store answers within this; a slower one is asked again later
+
+
+class StoreScheduler:
+    """``StorageConnector``'s scheduler-side methods (see ``KVConnectorBase``) and state."""
+
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, kv_io: KVBlockIO):
+        self.config, self.layout, self.kv_io = config, layout, kv_io
+        self._warned = False
+        self._known_prefix: dict[str, int] = {}  # req -> leading blocks the store holds
+        self._lookups: dict[str, Future] = {}  # req -> store lookup in flight
+        self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="epd-kv-lookup")
+        self._saved_upto: dict[str, int] = {}  # req -> blocks saved (or skipped) so far
+        self._has_saves: set[str] = set()
+        self._queued_loads: list[BlockTransfer] = []
+        # block hash -> (parent hash, tokens, extra keys) of planned saves, for store events
+        self._save_plans: dict[bytes, tuple[bytes | None, list[int], Any]] = {}
+        self._events: list = []  # store-tier KV events not yet taken
+
+    def get_num_new_matched_tokens(
+        self, request: KVRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        known = self._known(request)
+        if known is None:
+            return None, False
+        if not self.config.is_consumer:
+            return 0, False
+        n = max(0, known * self.layout.block_size - num_computed_tokens)
+        return n, n > 0
+
+    def _known(self, request: KVRequest) -> int | None:
+        """Leading blocks in the store (prompt's last token excluded: it must be computed);
+        None while the store has not answered, so a slow store never stalls the engine."""
+        rid = request.request_id
+        if rid in self._known_prefix:
+            return self._known_prefix[rid]
+        job = self._lookups.get(rid)
+        if job is None:
+            hashes = request.block_hashes[: (request.num_tokens - 1) // self.layout.block_size]
+            trusted = self._handed_over(request, hashes)
+            if trusted is not None or not hashes:
+                self._known_prefix[rid] = trusted or 0
+                return self._known_prefix[rid]
+            job = self._lookup_pool.submit(self.kv_io.count_cached_prefix, hashes)
+            self._lookups[rid] = job
+        try:
+            found = job.result(timeout=LOOKUP_WAIT_S)
+        except TimeoutError:
+            return None
+        self._known_prefix[rid] = found
+        del self._lookups[rid]
+        return found
+
+    def _handed_over(self, request: KVRequest, hashes: list[bytes]) -> int | None:
+        """Blocks a prefill pod says it saved for this prompt, when its hashes, model and pool
+        agree with ours (None: look them up instead). A load that then misses is recomputed."""
+        params = request.kv_transfer_params or {}
+        remote = params.get("block_hashes")
+        if not params.get("do_remote_prefill") or not remote or not hashes:
+            return None
+        theirs = (params.get("fingerprint"), params.get("pool"))
+        if theirs[0] not in (None, self.layout.fingerprint) or theirs[1] not in (
+            None,
+            self.config.pool,
+        ):
+            self._warn_once(
+                f"kv_transfer_params name model {theirs[0]} in pool {theirs[1]}, not ours"
+            )
+            return None
+        agree = 0
+        for mine, their_hash in zip(hashes, remote, strict=False):
+            if mine.hex() != their_hash:
+                break
+            agree += 1
+        if agree == 0:
+            self._warn_once(
+                "kv_transfer_params.block_hashes disagree with this pod's: do all pods of the "
+                "pool share --hash-seed and --prefix-caching-hash-algo?"
+            )
+        return agree or None
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("%s; looking the prompt up instead", message)
+
+    def update_state_after_alloc(
+        self, request: KVRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0:
+            return
+        bs = self.layout.block_size
+        first = request.num_computed_tokens // bs
+        last = first + num_external_tokens // bs
+        self._queued_loads.append(
+            BlockTransfer(
+                request.request_id, block_ids[first:last], request.block_hashes[first:last]
+            )
+        )
+
+    def build_connector_meta(self, scheduled: list[ScheduledRequest]) -> KVConnectorMetadata:
+        saves = []
+        if self.config.is_producer:
+            saves = [t for t in map(self._plan_save, scheduled) if t is not None]
+        meta = KVConnectorMetadata(self._queued_loads, saves)
+        self._queued_loads = []
+        return meta
+
+    def _plan_save(self, item: ScheduledRequest) -> BlockTransfer | None:
+        """The prompt blocks that become full in this step and were never saved."""
+        request, block_ids, computed = item
+        rid = request.request_id
+        num_full = min(computed, request.num_prompt_tokens) // self.layout.block_size
+        num_full = min(num_full, len(request.block_hashes), len(block_ids))
+        start = self._saved_upto.get(rid, self._known_prefix.get(rid, 0))
+        if num_full <= start:
+            return None
+        self._saved_upto[rid] = num_full
+        self._has_saves.add(rid)
+        self._plan_store_events(request, start, num_full)
+        return BlockTransfer(rid, block_ids[start:num_full], request.block_hashes[start:num_full])
+
+    def _plan_store_events(self, request: KVRequest, start: int, end: int) -> None:
+        tokens = getattr(request, "all_token_ids", None)
+        if tokens is None or getattr(request, "mm_spans", None):
+            return  # no tokens to name the blocks by; image blocks are not indexed anyway
+        salt = getattr(request, "cache_salt", None)
+        bs = self.layout.block_size
+        # a salted request's events name blocks by router key, never by tokens and salt
+        keys = extend_keys([], tokens, bs, end, None, salt) if salt else None
+        for i in range(start, end):
+            parent = request.block_hashes[i - 1] if i else None
+            self._save_plans[request.block_hashes[i]] = (
+                (parent, [], [keys[i]])
+                if keys is not None
+                else (parent, list(tokens[i * bs : (i + 1) * bs]), None)
+            )
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._events += self._store_events(output.saved, output.missed)
+
+    def take_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def _store_events(self, saved: list[tuple[bytes, bool]], missed: list[bytes]) -> list:
+        """KV events (``medium="STORE"``) for blocks the worker side saved to the store, and
+        for blocks a load found gone from it; forgets the plans of the saves."""
+        events: list = []
+        for block_hash, ok in saved:
+            plan = self._save_plans.pop(block_hash, None)
+            if plan is None or not ok:
+                continue
+            parent, tokens, router_keys = plan
+            events.append(
+                BlockStored(
+                    block_hashes=[hash_to_int(block_hash)],
+                    parent_block_hash=None if parent is None else hash_to_int(parent),
+                    token_ids=tokens,
+                    block_size=self.layout.block_size,
+                    lora_id=None,
+                    medium=STORE_MEDIUM,
+                    lora_name=None,
+                    extra_keys=None if router_keys is not None else [None],
+                    router_keys=router_keys,
+                )
+            )
+        events += [BlockRemoved([hash_to_int(h)], STORE_MEDIUM) for h in missed]
+        return events
+
+    def step_failed(self, metadata: KVConnectorMetadata) -> None:
+        for t in metadata.saves:
+            for block_hash in t.block_hashes:
+                self._save_plans.pop(block_hash, None)
+            if t.req_id in self._saved_upto:
+                self._saved_upto[t.req_id] -= len(t.block_hashes)
+
+    def request_finished(
+        self, request: KVRequest, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        delay_free = rid in self._has_saves
+        self._has_saves.discard(rid)
+        self._saved_upto.pop(rid, None)
+        self._known_prefix.pop(rid, None)
+        self._lookups.pop(rid, None)
+        wants = (request.kv_transfer_params or {}).get("do_remote_decode")
+        if not (self.config.is_producer and wants):
+            return delay_free, None
+        n = min(request.num_prompt_tokens // self.layout.block_size, len(request.block_hashes))
+        return delay_free, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "block_hashes": [h.hex() for h in request.block_hashes[:n]],
+            "num_tokens": n * self.layout.block_size,
+            "pool": self.config.pool,
+            "fingerprint": self.layout.fingerprint,
+            "kv_connector": self.config.kv_connector,
+        }
+
+    def close(self) -> None:
+        self._lookup_pool.shutdown(wait=True, cancel_futures=True)
