@@ -24,6 +24,7 @@ from epdserve.common.logs import setup_logging
 from epdserve.connectors.kv_events import NullEventPublisher, create_publisher, to_wire_event
 from epdserve.engine.config import decode_config
 from epdserve.engine.core.encoder_core import EncoderCore
+from epdserve.engine.core.pixel_cache import PixelReceiver
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
@@ -47,6 +48,7 @@ class CoreLoop:
         self.poller.register(input_sock, zmq.POLLIN)
         self.last_counts: tuple = ()
         self.rejected = 0  # requests refused at add (malformed or invalid)
+        self.pixels = PixelReceiver()  # mirrors the API process's PixelSender
         self.publish_failures = 0
 
     def run(self) -> None:
@@ -98,6 +100,7 @@ class CoreLoop:
             self._reject(_request_id_of(payload), exc, 400)
             return
         try:
+            self.pixels.resolve(req.mm_features)  # first: the sender counted on it
             self.core.add_request(req)
         except ValueError as exc:  # validated by the frontend; reject rather than crash
             self._reject(req.request_id, exc, 400, req.label)
