@@ -1,5 +1,6 @@
-"""One connector object per pod: ``has_cache_item`` (scheduler side), ``save_caches`` and
-``start_load_caches`` (worker side) over a ``BlockStore``. A store fault, or a stored output
+"""One connector object per pod: ``stored`` (the encoder pod, before encoding), ``save_caches``
+and ``start_load_caches`` over a ``BlockStore``. Consumers load without asking first: one GET
+per item, a miss is encoded (or fails the request of an image the pod never got). A store fault, or a stored output
 that fails verification (then deleted), is a miss: the pod encodes the image itself, and the
 miss is counted."""
 
@@ -19,17 +20,7 @@ class ECConnector:
         self.config = config
         self.store = create_store(config.storage_options())
         self.io = EncoderOutputIO(self.store, config.pool, fingerprint)
-        self.lookups = self.found = self.loaded = self.load_failures = self.saved = 0
-
-    # scheduler side ------------------------------------------------------------------
-    def has_cache_item(self, mm_ids: Sequence[str]) -> list[bool]:
-        """Whether each item's encoder output is in the shared store (consumers only)."""
-        if not self.config.is_consumer or not mm_ids:
-            return [False] * len(mm_ids)
-        found = self.io.has(list(mm_ids))
-        self.lookups += len(mm_ids)
-        self.found += sum(found)
-        return found
+        self.loaded = self.load_failures = self.saved = 0
 
     def stored(self, mm_ids: Sequence[str]) -> list[bool]:
         """Whether each item is in the store, whatever the role (producers skip re-encoding)."""
