@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 
+from epdserve.common.chat_parts import image_parts
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import MMFeature
@@ -71,16 +72,14 @@ class LLM:
         """OpenAI-style messages (``image_url`` parts, or ``image`` parts holding PIL
         images) -> a processed prompt."""
         images = []
-        for i, message in enumerate(conversation):
-            content = message.get("content")
-            for j, part in enumerate(content if isinstance(content, list) else []):
-                if part.get("type") == "image_url":
-                    url = part["image_url"]
-                    url = url["url"] if isinstance(url, dict) else url
-                    where = f"messages[{i}].content[{j}]"
-                    images.append(load_image_url(url, self.inputs.image_limits, where))
-                elif part.get("type") == "image":
-                    images.append(LoadedImage(part["image"].convert("RGB"), b""))
+        for where in image_parts(conversation):
+            part = conversation[where.message]["content"][where.part]
+            if where.url is not None:
+                images.append(load_image_url(where.url, self.inputs.image_limits, where.where))
+            elif part.get("image") is not None:  # a PIL image
+                images.append(LoadedImage(part["image"].convert("RGB"), b""))
+            else:
+                raise ValueError(f"{where.where}: an image part needs image_url.url or image")
         return self.inputs.render_chat(conversation, images, None, processor_kwargs)
 
     def _prompt(self, prompt) -> ProcessedPrompt:
