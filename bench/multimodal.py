@@ -2,7 +2,8 @@
 prefill/decode text chat (JSON).
 
 Each pool is started with ``epdserve up`` (tiny random Gemma3) and driven with streamed chat
-requests carrying one image each (the ``pd`` pool: text only); every pool runs its workloads in
+requests carrying one image each (noise JPEGs of ``--image-size``; the ``pd`` pool: text
+only); every pool runs its workloads in
 the same run. Besides throughput and TTFT, each workload reports what the request path costs:
 - ``cpu_outside_model_ms_per_request``: CPU time of every process of the pool (router, API
   processes, engine cores, Redis) minus the time the cores spent running the model
@@ -11,6 +12,7 @@ the same run. Besides throughput and TTFT, each workload reports what the reques
   ZeroMQ (``epdserve:core_input_bytes``), per request.
 
     python bench/multimodal.py [--requests 24] [--concurrency 4] [--pools colocated,epd,pd]
+        [--image-size 640x480]
 """
 
 from __future__ import annotations
@@ -35,14 +37,20 @@ from epdserve.common import metrics_text
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+IMAGE_SIZE = (96, 64)  # --image-size
+
+
 def image_url(seed: int) -> str:
+    """A JPEG of noise (a photo's size and entropy, unlike a flat PNG) as a data URL."""
+    import numpy as np
     from PIL import Image
 
+    rng = np.random.default_rng(seed)
+    w, h = IMAGE_SIZE
+    pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
     buf = io.BytesIO()
-    Image.new("RGB", (96, 64), ((seed * 37) % 256, (seed * 91) % 256, (seed * 53) % 256)).save(
-        buf, format="PNG"
-    )
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def free_port() -> int:
@@ -197,7 +205,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--pools", default="colocated,epd,pd")
+    ap.add_argument("--image-size", default="640x480", help="WxH of the request images")
     args = ap.parse_args()
+    global IMAGE_SIZE
+    IMAGE_SIZE = tuple(int(v) for v in args.image_size.split("x"))
     from epdserve.engine.make_model import make_model
 
     results = {}
@@ -220,7 +231,13 @@ def main() -> None:
                 stop_pool(proc)
     print(
         json.dumps(
-            {"requests": args.requests, "concurrency": args.concurrency, "pools": results}, indent=2
+            {
+                "requests": args.requests,
+                "concurrency": args.concurrency,
+                "image_size": args.image_size,
+                "pools": results,
+            },
+            indent=2,
         )
     )
 
