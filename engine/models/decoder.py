@@ -1,8 +1,12 @@
-"""Decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
+"""Decoder-only transformer: the Llama / Mistral / Qwen2 / Qwen3 families, and the base of
+``Gemma3LM``.
 
-Weights are fused at load time (q|k|v, gate|up) so each layer is four matmuls; attention
-norms, rotary and attention go through the kernel backend chosen at load
-(``epdserve.kernels.backends``), attention against the paged, cross-layer KV cache.
+Weights are fused at load time (q|k|v, gate|up) so each layer is four matmuls; norms, rotary
+and attention go through the kernel backend chosen at load (``epdserve.kernels.backends``),
+attention against the paged, cross-layer KV cache. What a family changes, it changes through
+the config (per-layer sliding windows, q/k norms, attention scale, logit soft caps), the
+layer's optional sandwich norms, or a hook method: ``layer_ropes``, ``embed_tokens``,
+``activation``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from epdserve.engine.models.bidirectional import attend_spans
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.rope import cos_sin_cache
 from epdserve.kernels.backends import KernelBackend, get_backend
@@ -32,6 +37,11 @@ class AttentionMetadata:
 
 
 class DecoderLayer:
+    """One layer's weights, its sliding window (None: full attention) and rope cache.
+
+    ``mlp_norm`` is the norm before the MLP; ``post_attn_norm`` / ``post_mlp_norm`` are the
+    sandwich norms of the families that have them (Gemma3), else None."""
+
     __slots__ = (
         "qkv_w",
         "qkv_b",
@@ -39,17 +49,26 @@ class DecoderLayer:
         "gate_up_w",
         "down_w",
         "in_norm",
-        "post_norm",
+        "mlp_norm",
+        "post_attn_norm",
+        "post_mlp_norm",
         "q_norm",
         "k_norm",
+        "window",
+        "rope",
     )
 
-    def __init__(self):
-        self.qkv_b = self.q_norm = self.k_norm = None
+    def __init__(self, window: int | None, rope: torch.Tensor):
+        self.qkv_w = self.qkv_b = self.o_w = self.gate_up_w = self.down_w = None
+        self.in_norm = self.mlp_norm = self.post_attn_norm = self.post_mlp_norm = None
+        self.q_norm = self.k_norm = None
+        self.window, self.rope = window, rope
 
 
 class DecoderLM:
-    """``forward(input_ids, meta, kv_caches) -> hidden``; ``compute_logits(hidden)``."""
+    """``forward(input_ids, meta, kv_caches, inputs_embeds=None) -> hidden``;
+    ``compute_logits(hidden)``. ``inputs_embeds`` (image embeddings placed among the token
+    embeddings) replaces ``embed_tokens(input_ids)``."""
 
     def __init__(
         self,
@@ -63,12 +82,32 @@ class DecoderLM:
         self.dtype = dtype
         self.device = device
         self.kernels = kernels or get_backend(None, device)
-        self.layers = [DecoderLayer() for _ in range(config.num_layers)]
-        self.scale = config.head_dim**-0.5
-        self.rope_cache = cos_sin_cache(
-            config.rope, config.head_dim, max_positions, torch.float32
-        ).to(device=device, dtype=dtype)
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        ropes = self.layer_ropes(max_positions)
+        self.layers = [
+            DecoderLayer(window, rope)
+            for window, rope in zip(config.layer_windows(), ropes, strict=True)
+        ]
         self.embed = self.final_norm = self.lm_head = None
+
+    # -- hooks: what a family changes --
+
+    def layer_ropes(self, max_positions: int) -> list[torch.Tensor]:
+        """Each layer's cos|sin cache: one cache shared by every layer."""
+        return [self.rope_cache(self.config.rope, max_positions)] * self.config.num_layers
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's activation (SwiGLU: SiLU)."""
+        return F.silu(gate)
+
+    # -- the model --
+
+    def rope_cache(self, params: dict, max_positions: int) -> torch.Tensor:
+        cache = cos_sin_cache(params, self.config.head_dim, max_positions, torch.float32)
+        return cache.to(device=self.device, dtype=self.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -76,31 +115,32 @@ class DecoderLM:
         input_ids: torch.Tensor,
         meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        cfg, rms_norm = self.config, self.kernels.rms_norm
-        h = F.embedding(input_ids, self.embed)
-        residual = None
+        rms_norm, eps = self.kernels.rms_norm, self.config.rms_norm_eps
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None  # the residual stream is h + residual; norms fuse the add
         layers = zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True)
         for layer, (k_cache, v_cache), meta in layers:
             if residual is None:
                 residual = h
-                x = rms_norm(h, layer.in_norm, cfg.rms_norm_eps)
+                x = rms_norm(h, layer.in_norm, eps)
             else:
-                x, residual = rms_norm(h, layer.in_norm, cfg.rms_norm_eps, residual)
+                x, residual = rms_norm(h, layer.in_norm, eps, residual)
             h = self._attention(layer, x, meta, k_cache, v_cache)
-            x, residual = rms_norm(h, layer.post_norm, cfg.rms_norm_eps, residual)
-            gate_up = F.linear(x, layer.gate_up_w)
-            h = F.linear(
-                F.silu(gate_up[:, : cfg.intermediate_size]) * gate_up[:, cfg.intermediate_size :],
-                layer.down_w,
-            )
+            if layer.post_attn_norm is not None:
+                h = rms_norm(h, layer.post_attn_norm, eps)
+            x, residual = rms_norm(h, layer.mlp_norm, eps, residual)
+            h = self._mlp(layer, x)
+            if layer.post_mlp_norm is not None:
+                h = rms_norm(h, layer.post_mlp_norm, eps)
         return h + residual  # final norm runs only on the rows that need logits
 
     def _attention(self, layer: DecoderLayer, x, meta, k_cache, v_cache) -> torch.Tensor:
         cfg = self.config
         qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
         norms = (layer.q_norm, layer.k_norm) if cfg.qk_norm else None
-        out, _ = self_attention(
+        out, q = self_attention(
             self.kernels,
             cfg,
             qkv,
@@ -108,16 +148,28 @@ class DecoderLM:
             k_cache,
             v_cache,
             norms,
-            self.rope_cache,
+            layer.rope,
             self.scale,
-            cfg.sliding_window,
+            layer.window,
+            cfg.attn_logit_softcap,
         )
+        if meta.bidirectional_spans:
+            attend_spans(out, q, k_cache, v_cache, meta, self.scale, layer.window)
         return F.linear(out.reshape(x.shape[0], cfg.q_size), layer.o_w)
+
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, layer.gate_up_w)
+        inter = self.config.intermediate_size
+        return F.linear(self.activation(gate_up[:, :inter]) * gate_up[:, inter:], layer.down_w)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.kernels.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        logits = F.linear(x, self.lm_head).float()
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def per_layer(meta, num_layers: int) -> list[AttentionMetadata]:

@@ -1,6 +1,7 @@
-"""Gemma3 text decoder: scaled embeddings, (1+w) RMSNorms in fp32, q/k norms, pre/post
-feed-forward norms, GeGLU, and interleaved sliding-window / global layers with their own
-rope bases. Same interface as ``DecoderLM``; image embeddings can replace token embeddings.
+"""Gemma3's text decoder, a ``DecoderLM``: scaled embeddings, GeGLU, sandwich norms around
+attention and MLP (all norms ``(1 + w)`` in fp32), q/k norms, and interleaved sliding-window /
+global layers with their own rope bases (the config's ``layer_types``). Image embeddings can
+replace token embeddings (``inputs_embeds``), and image spans attend bidirectionally.
 """
 
 from __future__ import annotations
@@ -8,32 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from epdserve.engine.models.bidirectional import attend_spans
 from epdserve.engine.models.config import ModelConfig
-from epdserve.engine.models.decoder import AttentionMetadata, per_layer, self_attention
-from epdserve.engine.models.rope import cos_sin_cache
-from epdserve.kernels.backends import KernelBackend, get_backend
+from epdserve.engine.models.decoder import DecoderLM
+from epdserve.kernels.backends import KernelBackend
 
 
-class Gemma3Layer:
-    __slots__ = (
-        "qkv_w",
-        "o_w",
-        "gate_up_w",
-        "down_w",
-        "in_norm",
-        "post_attn_norm",
-        "pre_ff_norm",
-        "post_ff_norm",
-        "q_norm",
-        "k_norm",
-        "sliding",
-        "rope",
-    )
-
-
-class Gemma3LM:
-    """``forward(input_ids, meta, kv_caches, inputs_embeds=None) -> hidden``."""
+class Gemma3LM(DecoderLM):
+    """``DecoderLM`` with Gemma3's hooks; its config carries the rest (per-layer windows,
+    q/k norms, ``query_pre_attn_scalar``, attention and final logit soft caps)."""
 
     def __init__(
         self,
@@ -43,83 +26,22 @@ class Gemma3LM:
         max_positions: int,
         kernels: KernelBackend | None = None,
     ):
-        self.config = config
-        self.dtype = dtype
-        self.device = device
-        self.kernels = kernels or get_backend(None, device)
-        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
-        self.ropes = {
-            kind: cos_sin_cache(params, config.head_dim, max_positions, torch.float32).to(
-                device=device, dtype=dtype
-            )
-            for kind, params in config.rope_by_layer_type.items()
-        }
-        self.layers = []
-        for kind in config.layer_types:
-            layer = Gemma3Layer()
-            layer.sliding = config.sliding_window if kind == "sliding_attention" else None
-            layer.rope = self.ropes[kind]
-            self.layers.append(layer)
+        super().__init__(config, dtype, device, max_positions, kernels)
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype)
-        self.embed = self.final_norm = self.lm_head = None
+
+    def layer_ropes(self, max_positions: int) -> list[torch.Tensor]:
+        """A rope cache per attention kind (sliding layers: the local base)."""
+        by_kind = {
+            kind: self.rope_cache(params, max_positions)
+            for kind, params in self.config.rope_by_layer_type.items()
+        }
+        return [by_kind[kind] for kind in self.config.layer_types]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed) * self.embed_scale
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        meta: AttentionMetadata | list[AttentionMetadata],
-        kv_caches,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        cfg, rms_norm = self.config, self.kernels.rms_norm
-        eps = cfg.rms_norm_eps
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        layers = zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True)
-        for layer, (k_cache, v_cache), meta in layers:
-            residual = h
-            x = rms_norm(h, layer.in_norm, eps)
-            attn = self._attention(layer, x, meta, k_cache, v_cache)
-            x, residual = rms_norm(
-                rms_norm(attn, layer.post_attn_norm, eps), layer.pre_ff_norm, eps, residual
-            )
-            gate_up = F.linear(x, layer.gate_up_w)
-            inter = cfg.intermediate_size
-            mlp = F.linear(
-                F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:], layer.down_w
-            )
-            h = residual + rms_norm(mlp, layer.post_ff_norm, eps)
-        return h
-
-    def _attention(self, layer: Gemma3Layer, x, meta: AttentionMetadata, k_cache, v_cache):
-        cfg = self.config
-        out, q = self_attention(
-            self.kernels,
-            cfg,
-            F.linear(x, layer.qkv_w),
-            meta,
-            k_cache,
-            v_cache,
-            (layer.q_norm, layer.k_norm),
-            layer.rope,
-            self.scale,
-            layer.sliding,
-            cfg.attn_logit_softcap,
-        )
-        if meta.bidirectional_spans:
-            attend_spans(out, q, k_cache, v_cache, meta, self.scale, layer.sliding)
-        return F.linear(out.reshape(x.shape[0], cfg.q_size), layer.o_w)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = self.kernels.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        logits = F.linear(x, self.lm_head).float()
-        cap = self.config.final_logit_softcap
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
 
 
 def load_gemma3_weights(model: Gemma3LM, get, get_norm) -> None:
@@ -138,5 +60,5 @@ def load_gemma3_weights(model: Gemma3LM, get, get_norm) -> None:
         layer.down_w = get(p + "mlp.down_proj.weight")
         layer.in_norm = get_norm(p + "input_layernorm.weight")
         layer.post_attn_norm = get_norm(p + "post_attention_layernorm.weight")
-        layer.pre_ff_norm = get_norm(p + "pre_feedforward_layernorm.weight")
-        layer.post_ff_norm = get_norm(p + "post_feedforward_layernorm.weight")
+        layer.mlp_norm = get_norm(p + "pre_feedforward_layernorm.weight")
+        layer.post_mlp_norm = get_norm(p + "post_feedforward_layernorm.weight")

@@ -101,7 +101,7 @@ def _load_layer(layer, p: str, get, config: ModelConfig) -> None:
     layer.gate_up_w = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
     layer.down_w = get(p + "mlp.down_proj.weight")
     layer.in_norm = get(p + "input_layernorm.weight")
-    layer.post_norm = get(p + "post_attention_layernorm.weight")
+    layer.mlp_norm = get(p + "post_attention_layernorm.weight")  # the norm before the MLP
 
 
 def load_vision_encoder(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
