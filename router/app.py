@@ -17,6 +17,7 @@ from epdserve.connectors.slow_clients import DEFAULT_BODY_TIMEOUT, BodyReadTimeo
 from epdserve.router.disagg import handle as disagg_handle
 from epdserve.router.guard import ApiKeyCheck, BodyLimit
 from epdserve.router.loadstats import scrape_forever
+from epdserve.router.processed import FIELD as PROCESSED
 from epdserve.router.proxy import ProxyError, open_upstream, relay, request_headers
 from epdserve.router.service import Router
 
@@ -110,8 +111,10 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
             return target
         return next((r for r in (disagg.prefill, disagg.encoder) if r and r.available()), target)
 
-    async def forward(request: Request, path: str, body: dict, target: Router | None = None):
-        content = await request.body()
+    async def forward(
+        request: Request, path: str, body: dict, target: Router | None = None, content=None
+    ):
+        content = await request.body() if content is None else content
         target = target or plain_router()
         # tokenizing a long prompt or rendering a template must not stall other streams
         routing = await asyncio.to_thread(target.route, path, body)
@@ -144,6 +147,10 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
             body = None
         if not isinstance(body, dict):  # a pod answers it with its own 400
             return await forward(request, path, {})
+        content = None
+        if PROCESSED in body:  # pods take it as is: only this router may set it
+            body = {k: v for k, v in body.items() if k != PROCESSED}
+            content = json.dumps(body).encode()
         if disagg is not None and disagg.active():
             return await disagg_handle(
                 request.app.state.client,
@@ -153,7 +160,7 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
                 body,
                 request_headers(request.headers),
             )
-        return await forward(request, path, body)
+        return await forward(request, path, body, content=content)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

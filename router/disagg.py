@@ -1,33 +1,41 @@
 """Disaggregated serving: encoder -> prefill -> decode orchestration.
 
-Each role has its own ``Router`` (pods, KV-event index, load) sharing one metrics registry.
-A request goes, when the pool has those roles:
+Each role has its own ``Router`` (pods, KV-event index, load) sharing one metrics registry,
+and every leg takes the same path: the role's router ranks its pods (``route``), the first
+that accepts gets the leg (``open_upstream``), and its answer is read or relayed. A request
+goes, when the pool has those roles:
 
-1. images (chat ``image_url`` parts) -> one encoder pod, chosen by rendezvous hashing of
-   the images so a repeated image lands where its output is stored (best effort: on failure
-   the prefill/decode pods encode it themselves);
-2. the prompt -> a prefill pod (prefix-aware), with ``max_tokens=1`` and
-   ``kv_transfer_params={"do_remote_decode": true}``; its answer names the stored blocks;
-3. the original request plus those ``kv_transfer_params`` -> a decode pod (load-aware),
-   whose answer (or SSE stream) is relayed unchanged.
+1. a chat with images -> an encoder pod, ranked by rendezvous hashing of the images
+   (``ImageAffinity``) so a repeated image lands where its output is stored. Its answer
+   carries the request's processed prompt (``processed``): token ids with the image
+   placeholders expanded, and the images' identifiers and spans;
+2. the prompt -> a prefill pod, ranked by prefix on the processed prompt's ids, with
+   ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``. Its body carries
+   the processed prompt and no images. With none known (a text request, or no encoder
+   answer), a router whose prefill strategy routes by prefix tokenizes a text-only request
+   itself and sends its ids as the processed prompt; otherwise the body goes as the client
+   sent it. The prefill answer names the stored blocks and (newer pods) its processed prompt;
+3. the request, without images, with the processed prompt known by then and the prefill's
+   ``kv_transfer_params`` -> a decode pod, whose answer (or SSE stream) is relayed unchanged.
 
-Only pod failures (refused, reset before the headers, 503: see ``proxy``) move a leg on:
-to the next ranked pod, and once a role has none left, past the prefill (or encoder) step
-to the decode pod, which then computes the prompt (or encodes the images) itself. Any
-other answer of any leg (4xx, 500, ...) and any failure after a pod accepted the request
-go back to the client unchanged, so a request that breaks one pod never reaches another.
-A prefill answer without ``kv_transfer_params`` also sends the request on without them.
+A pod that returns no processed prompt (an older pod) leaves the next legs the request as
+the client sent it. Only pod failures (refused, reset before the headers, 503: see
+``proxy``) move a leg on: to the next ranked pod, and once a role has none left, past the
+encoder (the prefill and decode pods load the images themselves) or the prefill (the
+decode pod computes the prompt). Any other answer of any leg (4xx, 500, ...) and any failure
+after a pod accepted the request go back to the client unchanged, so a request that breaks
+one pod never reaches another. A prefill answer without ``kv_transfer_params`` sends the
+request on without them; a request asking for ``prompt_logprobs`` skips the prefill.
 
 Busy pods (503 + Retry-After, see ``proxy``) are skipped within a leg. When every prefill
 (or decode) pod left is busy the client gets 503 + Retry-After: the pool is full, and
 handing the prompt to a decode pod would only move the overload onto running streams. A
-busy encoder is skipped as a failed one is (the prefill/decode pods encode the images).
+busy encoder is skipped as a failed one is.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -35,17 +43,23 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from epdserve.router.processed import (
+    from_answer,
+    has_images,
+    router_may_tokenize,
+    with_prompt,
+)
 from epdserve.router.proxy import (
     NoPodAvailable,
     ProxyError,
+    Upstream,
     UpstreamFailed,
     open_upstream,
-    pod_failure_cause,
     read_all,
     relay,
-    retry_after,
 )
 from epdserve.router.service import Router
+from epdserve.router.strategy import ImageAffinity
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +73,12 @@ class DisaggRouters:
     decode: Router
     encoder: Router | None = None
 
+    def __post_init__(self) -> None:
+        # an encoder pod's only cache is by image: whatever strategy its router was built
+        # with, the role ranks by the request's images
+        if self.encoder is not None and not self.encoder.strategy.uses_images:
+            self.encoder.strategy = ImageAffinity()
+
     def routers(self) -> list[Router]:
         return [r for r in (self.encoder, self.prefill, self.decode) if r is not None]
 
@@ -71,38 +91,8 @@ class DisaggRouters:
             router.close()
 
 
-def image_urls(body: dict) -> list[str]:
-    urls = []
-    for message in body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else []:
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                image = part.get("image_url")
-                url = image.get("url") if isinstance(image, dict) else image
-                if isinstance(url, str):
-                    urls.append(url)
-    return urls
-
-
-def pick_encoder(pods, urls: list[str]):
-    """Rendezvous hashing: the same images always map to the same live encoder pod."""
-    key = hashlib.blake2b("\n".join(urls).encode(), digest_size=16).digest()
-    return max(pods, key=lambda p: hashlib.blake2b(key + p.name.encode(), digest_size=8).digest())
-
-
-def with_prompt_ids(router: Router, path: str, body: dict) -> dict:
-    """The body both legs get: a text-only prompt as this router tokenized it, so prefill
-    and decode pods neither render nor tokenize it again (chat: ``prompt_token_ids``;
-    completions: the ids as the prompt, unless ``echo`` wants the prompt's own text)."""
-    if image_urls(body) or "prompt_token_ids" in body:
-        return body
-    chat = path.endswith("/chat/completions")
-    if not chat and (not isinstance(body.get("prompt"), str) or body.get("echo")):
-        return body
-    ids = router.prompt_ids(path, body)
-    if ids is None:
-        return body
-    return {**body, "prompt_token_ids": ids} if chat else {**body, "prompt": ids}
+def encoder_body(body: dict) -> dict:
+    return {**body, "stream": False}
 
 
 def prefill_body(body: dict) -> dict:
@@ -113,55 +103,25 @@ def prefill_body(body: dict) -> dict:
     return out
 
 
-async def encode_images(
-    client: httpx.AsyncClient, routers: DisaggRouters, settings, path: str, body, headers
-) -> Response | None:
-    """None when done or skipped (a pod failure: the prefill/decode pods will encode the
-    images themselves), or the encoder's error answer to return to the client as is."""
-    urls = image_urls(body) if path.endswith("/chat/completions") else []
-    encoder = routers.encoder
-    pods = encoder.available() if encoder is not None and urls else []
-    if not pods:
-        return None
-    pod = pick_encoder(pods, urls)
-    encoder.track_inflight(pod, +1)
-    try:
-        resp = await client.post(
-            pod.endpoint.url + path, json={**body, "stream": False}, headers=headers
-        )
-    except httpx.PoolTimeout:  # the router's connections are all in use: skip this step
-        encoder.metrics.upstream_errors.labels(pod.name, "router_connections_full").inc()
-        return None
-    except httpx.HTTPError as exc:
-        cause = pod_failure_cause(exc)
-        encoder.metrics.upstream_errors.labels(pod.name, cause or type(exc).__name__).inc()
-        log.warning("encoder pod %s failed: %s", pod.name, exc)
-        if cause is None:
-            timed_out = isinstance(exc, httpx.TimeoutException)
-            return UpstreamFailed(f"encoder pod {pod.name} failed", timed_out).response()
-        pod.mark_failed(settings.failure_backoff)
-        return None
-    finally:
-        encoder.track_inflight(pod, -1)
-    if resp.status_code == 503:
-        wait = retry_after(resp.headers)
-        cause = "busy" if wait is not None else "http_503"
-        encoder.metrics.upstream_errors.labels(pod.name, cause).inc()
-        if wait is not None:
-            pod.mark_busy(wait)
-        else:
-            pod.mark_failed(settings.failure_backoff)
-        return None
-    pod.mark_ok()
-    if resp.status_code >= 300:
-        encoder.metrics.upstream_errors.labels(pod.name, f"http_{resp.status_code}").inc()
-        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
-    encoder.metrics.requests.labels(pod.name, "encoder_affinity").inc()
-    return None
+def decode_body(body: dict, prompt: dict | None, params: dict | None) -> dict:
+    out = with_prompt(body, prompt)
+    return {**out, "kv_transfer_params": params} if params else out
 
 
-async def _open(client, router: Router, settings, path: str, body: dict, headers: dict):
-    """Rank ``router``'s pods for ``body`` and open the first that answers (or raise)."""
+def own_prompt(router: Router, path: str, body: dict) -> dict | None:
+    """The router's processed prompt of a text-only request, when ``router`` routes by
+    prefix and so tokenizes it anyway (None: it does not, or cannot)."""
+    if router.tokenizer is None or not router.strategy.uses_prefix:
+        return None
+    if not router_may_tokenize(path, body):
+        return None
+    ids = router.prompt_ids(path, body)
+    return {"prompt_token_ids": ids} if ids else None
+
+
+async def open_leg(client, router: Router, settings, path: str, body: dict, headers) -> Upstream:
+    """Rank ``router``'s pods for ``body`` and open the first that accepts it (or raise a
+    ``ProxyError``): the one path of every leg."""
     routing = await asyncio.to_thread(router.route, path, body)
     return await open_upstream(
         client,
@@ -177,32 +137,32 @@ async def _open(client, router: Router, settings, path: str, body: dict, headers
     )
 
 
-async def run_prefill(
-    client, routers: DisaggRouters, settings, path: str, body: dict, headers: dict
+async def read_leg(
+    client, router: Router, settings, path: str, body: dict, headers, role: str
 ) -> tuple[dict | None, Response | None]:
-    """``(kv_transfer_params, None)``, or ``(None, response)`` to return to the client as is."""
+    """A non-streamed leg: ``(answer, None)`` on a 200 (``{}`` if it is not a JSON object),
+    ``(None, response)`` to return to the client as is, or ``(None, None)`` when no pod of
+    the role could take it (the request moves past the role)."""
     try:
-        upstream = await _open(client, routers.prefill, settings, path, prefill_body(body), headers)
-        raw = await read_all(routers.prefill, upstream)
+        upstream = await open_leg(client, router, settings, path, body, headers)
+        raw = await read_all(router, upstream)
     except NoPodAvailable as exc:
-        if exc.retry_after is not None:  # the pool is full, not broken: the client waits
-            routers.prefill.metrics.client_errors.labels(exc.reason).inc()
+        if exc.retry_after is not None and role != "encoder":  # the pool is full: wait
+            router.metrics.client_errors.labels(exc.reason).inc()
             return None, exc.response()
-        routers.prefill.metrics.client_errors.labels("prefill_unavailable").inc()
+        router.metrics.client_errors.labels(f"{role}_unavailable").inc()
         return None, None
     except UpstreamFailed as exc:
-        routers.prefill.metrics.client_errors.labels(exc.reason).inc()
+        router.metrics.client_errors.labels(exc.reason).inc()
         return None, exc.response()
     status = upstream.response.status_code
     if status != 200:
         return None, Response(raw, status_code=status, headers=upstream.headers())
     try:
-        params = json.loads(raw).get("kv_transfer_params")
-    except (ValueError, AttributeError):
-        params = None
-    if params is None:
-        routers.prefill.metrics.client_errors.labels("prefill_no_params").inc()
-    return params, None
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    return (answer if isinstance(answer, dict) else {}), None
 
 
 async def handle(
@@ -214,18 +174,38 @@ async def handle(
     headers: dict,
 ) -> Response:
     """Serve one generation request through the disaggregated pool."""
-    early = await encode_images(client, routers, settings, path, body, headers)
-    if early is not None:
-        return early
-    body = await asyncio.to_thread(with_prompt_ids, routers.decode, path, body)
-    params = None
-    if body.get("prompt_logprobs") is None:  # decode pods recompute those prompts anyway
-        params, early = await run_prefill(client, routers, settings, path, body, headers)
+    prompt = None
+    if routers.encoder is not None and routers.encoder.available() and has_images(path, body):
+        answer, early = await read_leg(
+            client, routers.encoder, settings, path, encoder_body(body), headers, "encoder"
+        )
         if early is not None:
             return early
-    dbody = {**body, "kv_transfer_params": params} if params else body
+        prompt = from_answer(answer)  # None from an older pod: the legs go on as before
+    params = None
+    if body.get("prompt_logprobs") is None:  # decode pods recompute those prompts anyway
+        if prompt is None:
+            prompt = await asyncio.to_thread(own_prompt, routers.prefill, path, body)
+        answer, early = await read_leg(
+            client,
+            routers.prefill,
+            settings,
+            path,
+            prefill_body(with_prompt(body, prompt)),
+            headers,
+            "prefill",
+        )
+        if early is not None:
+            return early
+        if answer is not None:
+            params = answer.get("kv_transfer_params")
+            if params is None:
+                routers.prefill.metrics.client_errors.labels("prefill_no_params").inc()
+            prompt = from_answer(answer) or prompt
     try:
-        upstream = await _open(client, routers.decode, settings, path, dbody, headers)
+        upstream = await open_leg(
+            client, routers.decode, settings, path, decode_body(body, prompt, params), headers
+        )
     except ProxyError as exc:
         routers.decode.metrics.client_errors.labels(exc.reason).inc()
         return exc.response()

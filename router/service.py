@@ -14,6 +14,7 @@ from epdserve.router.keys import request_keys
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.pending import PendingPrefixes
 from epdserve.router.pods import PodEndpoint, PodState
+from epdserve.router.processed import has_images, image_affinity, is_chat, routing_ids
 from epdserve.router.seedcheck import RootHashCheck
 from epdserve.router.strategy import Candidate, Decision, Strategy
 from epdserve.router.subscriber import EventSocketOptions, PodSubscriber
@@ -173,14 +174,15 @@ class Router:
     # --- routing -------------------------------------------------------------------------
 
     def prompt_ids(self, path: str, body: dict) -> list[int] | None:
-        """The request's prompt token ids, or None if they cannot be computed."""
-        given = body.get("prompt_token_ids")
-        if isinstance(given, list) and all(isinstance(t, int) for t in given):
-            return given  # tokenized upstream (this router, on a P/D request's first leg)
-        if self.tokenizer is None or not self.strategy.uses_prefix:
-            return None
+        """The ids to route ``body`` by: its processed prompt's (as a pod made it), or the
+        router's own tokenization when its strategy routes by prefix (None: neither)."""
+        given = routing_ids(body)
+        if given is not None:
+            return given
+        if self.tokenizer is None or not self.strategy.uses_prefix or has_images(path, body):
+            return None  # image placeholders are the pods' to expand
         try:
-            if path.endswith("/chat/completions"):
+            if is_chat(path):
                 return self.tokenizer.chat_ids(body)
             if path.endswith("/completions"):
                 return self.tokenizer.completion_ids(body)
@@ -196,6 +198,7 @@ class Router:
         pods = self.available()
         ids = self.prompt_ids(path, body) if pods else None
         matched, totals, keys, loadable = self._match(pods, ids, self._lora(body), _salt(body))
+        affinity = image_affinity(body, [p.name for p in pods]) if self.strategy.uses_images else {}
         candidates = [
             Candidate(
                 p.name,
@@ -205,6 +208,7 @@ class Router:
                 totals.get(p.name, 0),
                 self.index.pod_block_count(p.name),
                 loadable.get(p.name, 0) - matched.get(p.name, 0),
+                affinity.get(p.name, 0),
             )
             for p in pods
         ]

@@ -17,6 +17,7 @@ class Candidate:
     total_blocks: int  # full blocks in the prompt
     cached_blocks: int = 0  # blocks the index holds for the pod (emptier caches evict less)
     store_blocks: int = 0  # blocks after the local match the pod can load from the store
+    affinity: int = 0  # the request's images' rendezvous weight for the pod (0: no images)
 
     @property
     def prefix_fraction(self) -> float:
@@ -39,7 +40,8 @@ class Strategy:
     """Orders candidates best first; the proxy tries them in that order."""
 
     name = ""
-    uses_prefix = False
+    uses_prefix = False  # candidates carry prefix matches (the router tokenizes for them)
+    uses_images = False  # candidates carry image affinity
 
     def rank(self, candidates: list[Candidate]) -> list[Decision]:
         """All candidates, best first (never empty when candidates is not)."""
@@ -83,6 +85,24 @@ class LeastLoad(Strategy):
         tie = self._tiebreak.key(candidates)
         ordered = sorted(candidates, key=lambda c: (c.load, c.kv_usage, tie[c.name]))
         return [Decision(c.name, "least_load") for c in ordered]
+
+
+class ImageAffinity(Strategy):
+    """Encoder pods: rendezvous hashing over the request's images, so a repeated image goes
+    where its encoder output is stored, and the next pods in the same fixed order take it
+    when that one refuses. A request without images goes to the least loaded pod."""
+
+    name = "image-affinity"
+    uses_images = True
+
+    def __init__(self) -> None:
+        self._least_load = LeastLoad()
+
+    def rank(self, candidates: list[Candidate]) -> list[Decision]:
+        if not any(c.affinity for c in candidates):
+            return self._least_load.rank(candidates)
+        ordered = sorted(candidates, key=lambda c: (-c.affinity, c.name))
+        return [Decision(c.name, "encoder_affinity") for c in ordered]
 
 
 class Prefix(Strategy):

@@ -80,10 +80,10 @@ def build(args) -> FastAPI:
     app = FastAPI(on_shutdown=[publisher.close])
 
     def prompt_ids(path: str, body: dict) -> list[int]:
-        if isinstance(body.get("prompt_token_ids"), list) or isinstance(body.get("prompt"), list):
-            state["pretokenized"] += 1  # the router tokenized it: nothing to render here
-        if isinstance(body.get("prompt_token_ids"), list):
-            return body["prompt_token_ids"]
+        processed = body.get("processed_prompt")
+        if isinstance(processed, dict):
+            state["pretokenized"] += 1  # processed upstream: nothing to render here
+            return processed["prompt_token_ids"]
         if path.endswith("chat/completions"):
             text = template.render(messages=body["messages"], add_generation_prompt=True)
             return tok.encode(text, add_special_tokens=False).ids

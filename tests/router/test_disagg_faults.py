@@ -142,3 +142,17 @@ def test_both_legs_get_the_prompt_as_the_router_tokenized_it(spawn, model_dir):
     for pod in (prefill, decode):
         assert requests(spawn, pod) == 3
         assert spawn.metric(pod.url, "standin:pretokenized_total") == 2
+
+
+def test_a_clients_processed_prompt_never_reaches_a_pod(spawn, model_dir):
+    """Pods take a processed prompt as is (image identifiers included), so only the router
+    may set one: a client's is dropped, in P/D pools and colocated ones alike."""
+    prefill, decode, plain = (spawn.standin(model_dir) for _ in range(3))
+    forged = {**BODY, "processed_prompt": {"prompt_token_ids": [7] * 40}}
+    for router in (pd_router(spawn, prefill, decode), spawn.router([plain])):
+        r = httpx.post(router.url + "/v1/completions", json=forged, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] != 40
+    for pod in (prefill, decode, plain):
+        assert requests(spawn, pod) == 1
+        assert spawn.metric(pod.url, "standin:pretokenized_total") == 0

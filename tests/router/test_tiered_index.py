@@ -115,7 +115,7 @@ def test_router_labels_a_store_win_and_exports_blocks_per_tier():
     for name in ("a", "b"):
         router.add_pod(PodEndpoint(name, f"http://{name}:8000", "", ""))
     router.index.apply("a", batch(stored([1, 2, 3, 4], None, PROMPT, STORE_MEDIUM)))
-    routing = router.route("/v1/completions", {"prompt_token_ids": PROMPT})
+    routing = router.route("/v1/completions", {"processed_prompt": {"prompt_token_ids": PROMPT}})
     assert routing.order[0].reason == "store_hit"
     router.record(routing, routing.order[0].pod, 0)
     text = router.metrics.render().decode()
