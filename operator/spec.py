@@ -2,14 +2,15 @@
 
 The CRD schema checks types, enums and minimums; :func:`parse_pool` checks what a schema
 cannot say (which roles go together, which cache a role set needs) and raises
-:class:`InvalidSpec` naming the field, before anything is built or applied.
+:class:`InvalidSpec` naming the field, before anything is built or applied. Sections with
+rules of their own parse in their own modules: `spec.cache` (``cache_spec``),
+`spec.autoscaling` (``autoscaling``), the GPU fields (``gpu``), the Hub source (``source``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 from epdserve.operator.autoscaling import (
     AutoscalingSpec,
@@ -17,10 +18,11 @@ from epdserve.operator.autoscaling import (
     parse_autoscaling,
     parse_role_autoscaling,
 )
+from epdserve.operator.cache_spec import CacheSpec, parse_cache, validate_cache
 from epdserve.operator.errors import InvalidSpec
 from epdserve.operator.gpu import role_gpus, validate_device, with_gpus
-from epdserve.operator.quantity import parse_bytes
 from epdserve.operator.source import HubSource, parse_hub_source
+from epdserve.operator.spec_fields import resources, secret_ref
 
 GROUP = "epdserve.io"
 VERSION = "v1alpha1"
@@ -31,7 +33,6 @@ ROLES = ("colocated", "encoder", "prefill", "decode")
 # role -> value of `epdserve serve --role`
 SERVE_ROLE = {"colocated": "both", "encoder": "encoder", "prefill": "prefill", "decode": "decode"}
 STRATEGIES = ("round-robin", "least-load", "prefix", "prefix+load")
-DEFAULT_TTL_S = 3600  # stored KV blocks / encoder outputs expire after an hour by default
 
 
 @dataclass(frozen=True)
@@ -46,23 +47,6 @@ class RoleSpec:
     tolerations: tuple[dict, ...] = ()
     gpus: int = 0  # nvidia.com/gpu per pod (from `gpus` or the resources)
     autoscaling: RoleAutoscaling | None = None  # None: a fixed `replicas`
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """Where pods share KV blocks and encoder outputs."""
-
-    backend: str = "none"  # none | redis | sharedStorage
-    redis_url: str | None = None
-    redis_secret: tuple[str, str] | None = None  # (secret name, key)
-    redis_managed: bool = False
-    redis_image: str = "redis:7.4-alpine"
-    redis_resources: dict = field(default_factory=dict)
-    redis_max_memory: int | None = None  # bytes; None: derived from the memory limit
-    ttl_s: int = DEFAULT_TTL_S  # expiry of stored values in Redis; 0: none
-    storage_claim: str | None = None
-    storage_path: str = "/cache"
-    storage_max_bytes: int | None = None  # LRU cap of the cache files; None: no cap
 
 
 @dataclass(frozen=True)
@@ -120,21 +104,12 @@ class PoolSpec:
         return "colocated" not in self.roles
 
 
-def _resources(raw: dict | None) -> dict:
-    """Quantities as strings, as the API server returns them (`1` -> `"1"`)."""
-    return {
-        kind: {name: str(q) for name, q in (values or {}).items()}
-        for kind, values in (raw or {}).items()
-        if kind in ("requests", "limits")
-    }
-
-
 def _role(raw: dict, where: str) -> RoleSpec:
-    resources = _resources(raw.get("resources"))
-    gpus = role_gpus(raw, resources, where)
+    requested = resources(raw.get("resources"))
+    gpus = role_gpus(raw, requested, where)
     return RoleSpec(
         replicas=int(raw.get("replicas", 1)),
-        resources=with_gpus(resources, gpus),
+        resources=with_gpus(requested, gpus),
         gpus=gpus,
         args=tuple(raw.get("args") or ()),
         env=tuple(raw.get("env") or ()),
@@ -142,51 +117,6 @@ def _role(raw: dict, where: str) -> RoleSpec:
         tolerations=tuple(raw.get("tolerations") or ()),
         autoscaling=parse_role_autoscaling(raw.get("autoscaling"), where),
     )
-
-
-def _bytes(value, where: str) -> int | None:
-    """A positive byte quantity of the spec, or None when unset."""
-    if value is None:
-        return None
-    try:
-        size = parse_bytes(value)
-    except ValueError as exc:
-        raise InvalidSpec(f"{where}: {exc}") from None
-    if size <= 0:
-        raise InvalidSpec(f"{where}: must be more than 0 bytes, got {value!r}")
-    return size
-
-
-def _cache(raw: dict) -> CacheSpec:
-    redis = raw.get("redis") or {}
-    storage = raw.get("sharedStorage") or {}
-    ttl = redis.get("ttlSeconds", DEFAULT_TTL_S)
-    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0:
-        raise InvalidSpec(f"spec.cache.redis.ttlSeconds: a whole number >= 0, got {ttl!r}")
-    return CacheSpec(
-        backend=raw.get("backend", "none"),
-        redis_url=redis.get("url"),
-        redis_secret=_secret_ref(
-            redis.get("passwordSecretRef"), "password", "spec.cache.redis.passwordSecretRef"
-        ),
-        redis_managed=bool(redis.get("managed", False)),
-        redis_image=redis.get("image", "redis:7.4-alpine"),
-        redis_resources=_resources(redis.get("resources")),
-        redis_max_memory=_bytes(redis.get("maxMemory"), "spec.cache.redis.maxMemory"),
-        ttl_s=ttl,
-        storage_claim=storage.get("claimName"),
-        storage_path=storage.get("path", "/cache"),
-        storage_max_bytes=_bytes(storage.get("maxBytes"), "spec.cache.sharedStorage.maxBytes"),
-    )
-
-
-def _secret_ref(raw: dict | None, default_key: str, where: str) -> tuple[str, str] | None:
-    """(secret name, key) of a `{name, key}` reference, or None when unset."""
-    if not raw:
-        return None
-    if not raw.get("name"):
-        raise InvalidSpec(f"{where}.name is required")
-    return raw["name"], raw.get("key") or default_key
 
 
 _TUNING = {
@@ -210,7 +140,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
         for r, v in (spec.get("roles") or {}).items()
         if r in ROLES
     }
-    cache = _cache(spec.get("cache") or {})
+    cache = parse_cache(spec.get("cache") or {})
     router = spec.get("router") or {}
     service = router.get("service") or {}
     monitor = (spec.get("metrics") or {}).get("serviceMonitor") or {}
@@ -240,12 +170,12 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
             replicas=int(router.get("replicas", 1)),
             strategy=router.get("strategy", "prefix+load"),
             image=router.get("image") or engine["image"],
-            resources=_resources(router.get("resources")),
+            resources=resources(router.get("resources")),
             node_selector=dict(router.get("nodeSelector") or {}),
             tolerations=tuple(router.get("tolerations") or ()),
             service_type=service.get("type", "ClusterIP"),
             service_port=int(service.get("port", 80)),
-            api_key_secret=_secret_ref(
+            api_key_secret=secret_ref(
                 router.get("apiKeySecretRef"), "api-key", "spec.router.apiKeySecretRef"
             ),
         ),
@@ -284,60 +214,7 @@ def validate(pool: PoolSpec) -> None:
     if "colocated" not in roles and not {"prefill", "decode"} <= roles:
         missing = sorted({"prefill", "decode"} - roles)
         raise InvalidSpec(f"spec.roles: a disaggregated pool needs {' and '.join(missing)} too")
-    _validate_cache(pool)
+    validate_cache(pool.cache, pool.disaggregated)
     validate_device(pool)
     if pool.router.strategy not in STRATEGIES:
         raise InvalidSpec(f"spec.router.strategy: unknown strategy {pool.router.strategy!r}")
-
-
-def _validate_cache(pool: PoolSpec) -> None:
-    cache = pool.cache
-    if pool.disaggregated and cache.backend == "none":
-        raise InvalidSpec(
-            "spec.cache.backend: a disaggregated pool moves KV blocks between pods; "
-            "use redis or sharedStorage"
-        )
-    if cache.backend == "redis":
-        if cache.redis_managed == bool(cache.redis_url):
-            raise InvalidSpec("spec.cache.redis: set exactly one of url or managed: true")
-        _validate_redis_url(cache.redis_url)
-        if cache.redis_managed and cache.redis_secret:
-            raise InvalidSpec(
-                "spec.cache.redis.passwordSecretRef: the managed Redis generates its own password"
-            )
-        _validate_max_memory(cache)
-    if cache.backend == "sharedStorage" and not cache.storage_claim:
-        raise InvalidSpec("spec.cache.sharedStorage.claimName is required for sharedStorage")
-
-
-def _validate_redis_url(url: str | None) -> None:
-    """A password in the URL would land in the pool's ConfigMap and the pods' env: refuse it."""
-    if not url:
-        return
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        raise InvalidSpec(f"spec.cache.redis.url: not a URL ({exc})") from None
-    in_query = any(k.lower() == "password" for k, _ in parse_qsl(parts.query))
-    if parts.password is not None or in_query:
-        raise InvalidSpec(
-            "spec.cache.redis.url: carries a password, which would be copied into a ConfigMap; "
-            "remove it from the URL, put it in a Secret and reference that Secret with "
-            "spec.cache.redis.passwordSecretRef"
-        )
-
-
-def _validate_max_memory(cache: CacheSpec) -> None:
-    if cache.redis_max_memory is None:
-        return
-    if not cache.redis_managed:
-        raise InvalidSpec(
-            "spec.cache.redis.maxMemory: applies to the managed Redis only; "
-            "set maxmemory on the external server"
-        )
-    limit = (cache.redis_resources.get("limits") or {}).get("memory")
-    if limit is not None and cache.redis_max_memory > _bytes(limit, "resources.limits.memory"):
-        raise InvalidSpec(
-            f"spec.cache.redis.maxMemory: {cache.redis_max_memory} bytes exceeds the Redis "
-            f"container's memory limit ({limit}); it would be OOM-killed before evicting"
-        )
