@@ -174,21 +174,14 @@ class Watch:
         for role in ("prefill", "decode"):
             for ip in ready_pod_ips(self.cluster, self._selector(role)):
                 try:
-                    page = metrics_text.parse(
-                        httpx.get(f"http://{ip}:8000/metrics", timeout=3).text
-                    )
-                except (httpx.HTTPError, ValueError):
+                    text = httpx.get(f"http://{ip}:8000/metrics", timeout=3).text
+                except httpx.HTTPError:
                     continue
-                self.counters[ip] = {
-                    "role": role,
-                    "queries": metrics_text.total(page, "vllm:prefix_cache_queries_total"),
-                    "hits": metrics_text.total(page, "vllm:prefix_cache_hits_total"),
-                    "external_queries": metrics_text.total(
-                        page, "vllm:external_prefix_cache_queries_total"
-                    ),
-                    "external_hits": metrics_text.total(
-                        page, "vllm:external_prefix_cache_hits_total"
-                    ),
+                page = metrics_text.parse(text)
+                self.counters[ip] = {"role": role} | {  # queries, hits, external_queries, ...
+                    f"{ext}{what}": metrics_text.total(page, f"vllm:{ext}prefix_cache_{what}_total")
+                    for ext in ("", "external_")
+                    for what in ("queries", "hits")
                 }
 
     def hit_rates(self) -> dict:
