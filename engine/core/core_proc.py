@@ -24,9 +24,9 @@ from epdserve.common.logs import setup_logging
 from epdserve.connectors.kv_events import NullEventPublisher, create_publisher, to_wire_event
 from epdserve.engine.config import decode_config
 from epdserve.engine.core.encoder_core import EncoderCore
-from epdserve.engine.core.pixel_cache import PixelReceiver
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from epdserve.engine.core.pixel_cache import PixelReceiver
 
 log = logging.getLogger("epdserve.core")
 
