@@ -190,6 +190,7 @@ def test_epd_router_sends_images_to_the_encoder_first(models, redis_url):
                 }
             ],
         }
+        sent = [p.metric("epdserve:core_input_bytes_total") for p in pods]
         first = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60).json()
         again = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60).json()
         assert (
@@ -199,6 +200,12 @@ def test_epd_router_sends_images_to_the_encoder_first(models, redis_url):
         assert pods[1].metric("epdserve:encoder_runs_total") == 0
         assert pods[2].metric("epdserve:encoder_runs_total") == 0
         assert 'reason="encoder_affinity"' in router.metrics()
+        # the encoder's processed prompt went on: no pixels reached the other pods' cores
+        grew = [
+            p.metric("epdserve:core_input_bytes_total") - s for p, s in zip(pods, sent, strict=True)
+        ]
+        pixels = 3 * 64 * 64 * 4  # the tiny Gemma3's processed image, float32
+        assert grew[0] > pixels and grew[1] < pixels / 4 and grew[2] < pixels / 4, grew
     finally:
         if router is not None:
             router.stop()
