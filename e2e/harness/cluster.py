@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from apiserver import ApiServer
+from bootstrap import bootstrap_objects, make_cert
 from controllers import DeploymentController, ServiceController
 from kapi import Api
 from kubelet import Kubelet, NodeConfig
@@ -23,36 +24,6 @@ from svcproxy import ServiceProxy, tls_context
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def make_cert(workdir: Path, ip: str) -> tuple[str, str]:
-    """A self-signed serving certificate for the `kubernetes` Service (it is its own CA)."""
-    cert, key = workdir / "apiserver.crt", workdir / "apiserver.key"
-    names = "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,"
-    names += f"DNS:kubernetes.default.svc.cluster.local,IP:{ip}"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=kubernetes",
-            "-addext",
-            f"subjectAltName={names}",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return str(cert), str(key)
 
 
 class LocalCluster:
@@ -99,45 +70,8 @@ class LocalCluster:
 
     def _bootstrap(self, master_ip: str) -> None:
         """What a fresh cluster has: the `kubernetes` Service, default SA, root CA map."""
-        self.api.create(
-            "Service",
-            "default",
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {
-                    "name": "kubernetes",
-                    "namespace": "default",
-                    "labels": {"component": "apiserver", "provider": "kubernetes"},
-                },
-                "spec": {
-                    "clusterIP": master_ip,
-                    "clusterIPs": [master_ip],
-                    "ports": [
-                        {"name": "https", "port": 443, "protocol": "TCP", "targetPort": 6443}
-                    ],
-                },
-            },
-        )
-        self.api.create(
-            "ServiceAccount",
-            "default",
-            {
-                "apiVersion": "v1",
-                "kind": "ServiceAccount",
-                "metadata": {"name": "default", "namespace": "default"},
-            },
-        )
-        self.api.create(
-            "ConfigMap",
-            "default",
-            {
-                "apiVersion": "v1",
-                "kind": "ConfigMap",
-                "metadata": {"name": "kube-root-ca.crt", "namespace": "default"},
-                "data": {"ca.crt": self.ca},
-            },
-        )
+        for kind, namespace, body in bootstrap_objects(master_ip, self.ca):
+            self.api.create(kind, namespace, body)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
