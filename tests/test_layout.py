@@ -26,6 +26,9 @@ ALLOWED_INTERNAL = {
 }
 NO_TORCH = ("common", "operator", "router")
 HEAVY = {"torch", "transformers", "triton"}
+MAX_LINES = 300  # a file that grows past this is two ideas (STYLE.md)
+LINE_LIMITED = CODE_FOLDERS + ("tests", "e2e", "bench")
+NOT_OURS = {".venv", "build", "__pycache__"}
 
 
 def python_files(folder: str):
@@ -67,6 +70,17 @@ def test_no_code_imports_a_folder_bare():
                 elif top == "operator" and (rest or (name and not hasattr(STDLIB_OPERATOR, name))):
                     offenders.append(f"{path.relative_to(ROOT)}: import {module} {name or ''}")
     assert not offenders, "bare imports of project folders:\n" + "\n".join(offenders)
+
+
+def test_no_python_file_is_over_300_lines():
+    paths = [*ROOT.glob("*.py"), *(p for f in LINE_LIMITED for p in (ROOT / f).rglob("*.py"))]
+    paths = [p for p in paths if not NOT_OURS & set(p.relative_to(ROOT).parts)]
+    assert Path(__file__).resolve() in paths  # the walk sees the repository's files
+    lines = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in paths}
+    over = sorted((n, path) for path, n in lines.items() if n > MAX_LINES)
+    assert not over, f"files over {MAX_LINES} lines (split each along an idea):\n" + "\n".join(
+        f"{path}: {n} lines" for n, path in reversed(over)
+    )
 
 
 @pytest.mark.parametrize("folder", CODE_FOLDERS)
