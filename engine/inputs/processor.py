@@ -99,7 +99,11 @@ class InputProcessor:
         return urls
 
     async def chat(
-        self, messages: list[dict], options: dict, processor_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        options: dict,
+        processor_kwargs: dict | None = None,
+        add_special_tokens: bool = False,
     ) -> ProcessedPrompt:
         """OpenAI chat ``messages`` (plain JSON) -> processed prompt; ``options`` are the
         renderer's (``common.chat_template.render_options``). Images are fetched
@@ -109,7 +113,7 @@ class InputProcessor:
             *(load_image_url_async(u, self.image_limits, w) for u, w in urls)
         )
         return await asyncio.to_thread(
-            self.render_chat, messages, images, options, processor_kwargs
+            self.render_chat, messages, images, options, processor_kwargs, add_special_tokens
         )
 
     def render_chat(
@@ -118,6 +122,7 @@ class InputProcessor:
         images: list[LoadedImage],
         options: dict | None = None,
         processor_kwargs: dict | None = None,
+        add_special_tokens: bool = False,
     ) -> ProcessedPrompt:
         if self.template is None:
             raise ValueError("messages: this model has no chat template")
@@ -127,10 +132,11 @@ class InputProcessor:
             raise ValueError("mm_processor_kwargs: this model takes no image inputs")
         if images:
             check_request_pixels(images, self.image_limits)  # before any image is decoded
-            prompt = self.images.process(text, images, False, processor_kwargs)
+            prompt = self.images.process(text, images, add_special_tokens, processor_kwargs)
         else:
             check_processor_kwargs(processor_kwargs)
-            prompt = ProcessedPrompt(self.tok.encode(text, add_special_tokens=False), [], text)
+            ids = self.tok.encode(text, add_special_tokens=add_special_tokens)
+            prompt = ProcessedPrompt(ids, [], text)
         if not prompt.token_ids:
             raise ValueError("messages: the rendered prompt has no tokens")
         return prompt

@@ -98,7 +98,7 @@ def test_suffix_is_a_400(client):
     assert err.value.body["param"] == "suffix"
 
 
-def test_a_chat_prompt_tokenized_upstream_answers_like_the_messages(client, server):
+def test_a_chat_prompt_processed_upstream_answers_like_the_messages(client, server):
     import httpx
     from serving_support import API_KEY
 
@@ -113,7 +113,7 @@ def test_a_chat_prompt_tokenized_upstream_answers_like_the_messages(client, serv
         messages=messages,
         max_tokens=6,
         temperature=0,
-        extra_body={"prompt_token_ids": ids["tokens"]},
+        extra_body={"processed_prompt": {"prompt_token_ids": ids["tokens"]}},
     )
     assert given.choices[0].message.content == plain.choices[0].message.content
     assert given.usage.prompt_tokens == plain.usage.prompt_tokens == ids["count"]

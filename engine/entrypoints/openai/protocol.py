@@ -96,6 +96,7 @@ Prompt = Annotated[str | list[str] | list[int] | list[list[int]], Field(union_mo
 
 class CompletionRequest(_Common):
     prompt: Prompt
+    add_special_tokens: bool = True  # the tokenizer's BOS/EOS around a text prompt
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -132,6 +133,7 @@ class ChatCompletionRequest(_Common):
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # e.g. {"do_pan_and_scan": true}
+    add_special_tokens: bool = False  # on top of the template's own (vLLM's default)
 
 
 class TokenizeRequest(_ValidText):

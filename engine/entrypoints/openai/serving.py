@@ -94,19 +94,21 @@ class OpenAIServing:
             if req.processed_prompt is not None:
                 prompts = [self.inputs.accept(req.processed_prompt)]
             else:
-                prompts = await asyncio.to_thread(self._completion_prompts, req.prompt)
+                prompts = await asyncio.to_thread(
+                    self._completion_prompts, req.prompt, req.add_special_tokens
+                )
         except ValueError as exc:
             raise from_value_error(exc) from exc
         return self._finish_prepare(req, prompts, req.max_tokens, req.logprobs, "completion")
 
-    def _completion_prompts(self, raw) -> list[ProcessedPrompt]:
+    def _completion_prompts(self, raw, add_special_tokens: bool) -> list[ProcessedPrompt]:
         if isinstance(raw, str) or raw and isinstance(raw[0], int):
             raw = [raw]
         if not raw:
             raise ValueError("prompt: must not be empty")
         if len(raw) > self.limits.max_prompts:
             raise ValueError(f"prompt: at most {self.limits.max_prompts} prompts")
-        return [self.inputs.completion(item) for item in raw]
+        return [self.inputs.completion(item, add_special_tokens) for item in raw]
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
@@ -122,7 +124,14 @@ class OpenAIServing:
             else:
                 if self.role == "encoder" and not self.inputs.check_chat_images(messages):
                     raise ValueError("messages: an encoder pod serves requests with images only")
-                prompt = await self.inputs.chat(messages, options, req.mm_processor_kwargs)
+                prompt = await self.inputs.chat(
+                    messages, options, req.mm_processor_kwargs, req.add_special_tokens
+                )
+                # pixels of the images the core does not hold: decoded now, so a bad image
+                # is this request's 400 (an image evicted before the send is made then)
+                missing = self.engine.pixels.missing(prompt.items)
+                if missing:
+                    await asyncio.to_thread(lambda: [i.pixels() for i in missing])
         except ValueError as exc:
             raise from_value_error(exc) from exc
         if self.role == "encoder" and not prompt.items:
