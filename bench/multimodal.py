@@ -100,8 +100,9 @@ def stop_pool(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """utime + stime of ``root`` and every descendant alive now (from /proc)."""
+def tree_cpu(root: int) -> dict[str, float]:
+    """utime + stime of ``root``'s descendants alive now (from /proc), by process kind:
+    ``router``, ``<role> api`` / ``<role> core`` of each engine pod, ``redis``, ``other``."""
     children: dict[int, list[int]] = {}
     cpu: dict[int, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
@@ -115,12 +116,32 @@ def tree_cpu_seconds(root: int) -> float:
             continue
         children.setdefault(int(fields[1]), []).append(int(entry))
         cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    total, todo = 0.0, [root]
+    kinds: dict[str, float] = {}
+    todo = [(root, "other")]
     while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo += children.get(pid, [])
-    return total
+        pid, parent = todo.pop()
+        kind = _kind(pid, parent)
+        kinds[kind] = kinds.get(kind, 0.0) + cpu.get(pid, 0.0)
+        todo += [(c, kind) for c in children.get(pid, [])]
+    return kinds
+
+
+def _kind(pid: int, parent: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return parent
+    if "core_proc" in " ".join(argv):
+        return parent.replace(" api", " core")
+    if "redis-server" in " ".join(argv):
+        return "redis"
+    if "serve" in argv:
+        role = argv[argv.index("--role") + 1] if "--role" in argv else "both"
+        return f"{role} api"
+    if "router" in argv:
+        return "router"
+    return parent
 
 
 def pod_counters(pods: list[str]) -> dict[str, float]:
@@ -182,19 +203,24 @@ async def workload(url: str, images: list, concurrency: int) -> dict:
 
 
 def measured(proc, url: str, pods: list[str], images: list, concurrency: int) -> dict:
-    """One workload with the pool's CPU time and core input bytes around it."""
+    """One workload with the pool's CPU time (over the workload only: idle ticks of the
+    pool's processes are not charged to it) and its core input bytes."""
     time.sleep(1.0)  # let the previous workload's stats reach the API processes
-    cpu0, counters0 = tree_cpu_seconds(proc.pid), pod_counters(pods)
+    counters0, cpu0 = pod_counters(pods), tree_cpu(proc.pid)
     result = asyncio.run(workload(url, images, concurrency))
-    time.sleep(1.5)  # the cores publish stats with their outputs and on idle ticks
-    cpu1, counters1 = tree_cpu_seconds(proc.pid), pod_counters(pods)
+    cpu1 = tree_cpu(proc.pid)
+    time.sleep(1.5)  # the cores' stats ride their outputs; the last ones may lag
+    counters1 = pod_counters(pods)
     n = len(images)
     model = counters1["epdserve:model_cpu_seconds"] - counters0["epdserve:model_cpu_seconds"]
     sent = counters1["epdserve:core_input_bytes"] - counters0["epdserve:core_input_bytes"]
+    by_kind = {k: (v - cpu0.get(k, 0.0)) * 1e3 / n for k, v in sorted(cpu1.items())}
+    total = sum(by_kind.values())
     result.update(
-        cpu_total_ms_per_request=(cpu1 - cpu0) * 1e3 / n,
+        cpu_total_ms_per_request=total,
         model_cpu_ms_per_request=model * 1e3 / n,
-        cpu_outside_model_ms_per_request=(cpu1 - cpu0 - model) * 1e3 / n,
+        cpu_outside_model_ms_per_request=total - model * 1e3 / n,
+        cpu_ms_per_request_by_process={k: round(v, 2) for k, v in by_kind.items()},
         core_input_bytes_per_request=sent / n,
     )
     return result
