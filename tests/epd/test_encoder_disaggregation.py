@@ -195,7 +195,9 @@ def test_the_prompt_is_processed_once_and_pixels_reach_only_the_encoder(pods, mo
         },
     ).json()
     assert dec["choices"][0]["message"]["content"] == offline_text(models, url)
-    grew = [p.metric("epdserve:core_input_bytes_total") - s for p, s in zip(pods, sent)]
+    grew = [
+        p.metric("epdserve:core_input_bytes_total") - s for p, s in zip(pods, sent, strict=True)
+    ]
     pixels = 3 * 64 * 64 * 4  # the tiny Gemma3's processed image, float32
     assert grew[0] > pixels and grew[1] < pixels / 8 and grew[2] < pixels / 8
 
