@@ -15,7 +15,9 @@ import httpx
 import pytest
 from capabilities import pd_routing_gap
 from cluster import wait_for
-from pools_e2e import NS, example, for_this_machine, metric_total, ready_pod_ips, write
+from pools_e2e import NS, example, for_this_machine, ready_pod_ips, write
+
+from epdserve.common import metrics_text
 
 pytestmark = pytest.mark.e2e
 REF = "pd-reference"
@@ -82,7 +84,7 @@ def test_pd_pods_hand_over_through_the_managed_redis_token_for_token(pools):
         want = complete(colocated, served, prompt)
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
         assert same_counts(got, want)
-    hits = metric_total(metrics(decode_ip), "vllm:external_prefix_cache_hits_total")
+    hits = metrics_text.total(metrics(decode_ip), "vllm:external_prefix_cache_hits_total")
     assert hits > 0, "the decode pod loaded no prefix from Redis"
 
 
@@ -100,12 +102,13 @@ def test_pd_pool_through_its_router_answers_like_a_colocated_pod(pools):
         assert same_counts(got, want)
     decode_ips = ready_pod_ips(cluster, f"epdserve.io/pool={name},epdserve.io/role=decode")
     hits = sum(
-        metric_total(metrics(ip), "vllm:external_prefix_cache_hits_total") for ip in decode_ips
+        metrics_text.total(metrics(ip), "vllm:external_prefix_cache_hits_total")
+        for ip in decode_ips
     )
     assert hits > 0, "decode pods loaded no prefix from Redis"
     (router_ip,) = ready_pod_ips(cluster, f"epdserve.io/router={name}")
     routed = metrics(router_ip)
-    assert metric_total(routed, "epdserve_router:requests_total", reason="prefix_hit") > 0
+    assert metrics_text.total(routed, "epdserve_router:requests_total", reason="prefix_hit") > 0
 
 
 def test_scaling_decode_up_adds_pods_to_routing(pools):
@@ -136,7 +139,7 @@ def test_scaling_decode_up_adds_pods_to_routing(pools):
         for t in threads:
             t.join()
         return all(
-            metric_total(metrics(ip), "vllm:generation_tokens_total") > 0 for ip in decode_ips
+            metrics_text.total(metrics(ip), "vllm:generation_tokens_total") > 0 for ip in decode_ips
         )
 
     wait_for(every_decode_pod_generated, 120, "answers from every decode pod", interval=0)
