@@ -24,13 +24,27 @@ class Sample(NamedTuple):
 Page = str | Iterable[Sample]  # page text, or samples already parsed from it
 
 
-def parse(text: str) -> list[Sample]:
-    """Every sample of a page, in order. Raises ``ValueError`` on a malformed page."""
+def parse(text: str, only: Iterable[str] | None = None) -> list[Sample]:
+    """Every sample of a page, in order; with ``only``, the samples (and comments) of the
+    metric families whose names start with one of those prefixes, so a caller that reads
+    three gauges does not parse a pod's every histogram. Raises ``ValueError`` on a
+    malformed page (in the part it reads)."""
+    if only is not None:
+        text = _only(text, tuple(only))
     return [
         Sample(s.name, s.labels, float(s.value))
         for family in text_string_to_metric_families(text)
         for s in family.samples
     ]
+
+
+def _only(text: str, prefixes: tuple[str, ...]) -> str:
+    kept = []
+    for line in text.splitlines():
+        name = line.split(" ", 3)[2] if line.startswith("#") and line.count(" ") >= 2 else line
+        if name.startswith(prefixes):
+            kept.append(line)
+    return "\n".join(kept) + "\n"
 
 
 def _samples(page: Page) -> Iterable[Sample]:

@@ -21,12 +21,14 @@ GAUGES = {
 
 def parse_load(text: str) -> dict[str, float]:
     """The load gauges of a page, summed over their label sets (one per engine); KV-cache
-    usage is their mean. Raises ``ValueError`` on a malformed page."""
-    samples = metrics_text.parse(text)
+    usage is their mean. Raises ``ValueError`` on a malformed page or one without them."""
+    samples = metrics_text.parse(text, only=GAUGES)  # the gauges' lines only: cheap
     load: dict[str, float] = {}
     for name, field in GAUGES.items():
         if found := metrics_text.values(samples, name):
             load[field] = sum(found) / len(found) if field == "kv_usage" else sum(found)
+    if not load:  # every engine exports them from the start: this is no engine's page
+        raise ValueError("the page has none of the load gauges")
     return load
 
 

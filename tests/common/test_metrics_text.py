@@ -55,3 +55,16 @@ def test_buckets_are_summed_over_label_sets_by_upper_bound():
 def test_a_malformed_page_is_refused():
     with pytest.raises(ValueError):
         metrics_text.parse("<html>not a metrics page</html>\n")
+
+
+def test_only_the_named_families_are_read_and_the_rest_is_not_parsed():
+    broken = PAGE + "epdserve:garbage{unterminated 1\n"
+    with pytest.raises(ValueError):
+        metrics_text.parse(broken)
+    samples = metrics_text.parse(broken, only=["vllm:num_requests_waiting"])
+    assert [s.value for s in samples] == [2.0, 3.0]
+    assert {s.name for s in metrics_text.parse(PAGE, only=["vllm:time_to"])} == {
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:time_to_first_token_seconds_sum",
+    }
