@@ -12,6 +12,7 @@ from epdserve.router.service import Router
 
 log = logging.getLogger(__name__)
 
+SCRAPE_TIMEOUTS_TO_UNHEALTHY = 3
 GAUGES = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
@@ -47,8 +48,14 @@ async def _scrape(client: httpx.AsyncClient, router: Router, name: str, timeout:
     except httpx.HTTPError as exc:
         router.metrics.scrape_errors.labels(name).inc()
         log.debug("scrape of %s failed: %s", name, exc)
-        await _set_health(router, state, False)
+        # a pod that answers slowly is busy, not gone: out of rotation only after a few
+        # timeouts in a row; a refused or broken connection takes it out at once
+        timed_out = isinstance(exc, httpx.TimeoutException)
+        state.scrape_timeouts = state.scrape_timeouts + 1 if timed_out else 0
+        if not timed_out or state.scrape_timeouts >= SCRAPE_TIMEOUTS_TO_UNHEALTHY:
+            await _set_health(router, state, False)
         return
+    state.scrape_timeouts = 0
     try:
         load = parse_load(response.text)
     except ValueError as exc:  # the pod answers, but its page cannot be read: load unknown

@@ -73,6 +73,7 @@ class PodState:
     healthy: bool = True
     down_until: float = 0.0
     consecutive_failures: int = 0
+    scrape_timeouts: int = 0  # /metrics scrapes in a row that timed out (a busy pod)
     scraped_at: float = field(default=0.0)
 
     @property
