@@ -188,10 +188,8 @@ class AsyncLLM:
         if request_id in self.states or any(c in self.child_to_state for c, _ in children):
             raise RequestFailedError(f"request id {request_id} is already in flight", 500)
         state.label = label  # for the output loop's test fault injection
-        # pixels only for images the core does not hold: made off the loop, before any send
-        missing = self.pixels.missing(prompt.items)
-        if missing:  # (one evicted meanwhile is made at send time: rare, and still right)
-            await asyncio.to_thread(lambda: [i.pixels() for i in missing])
+        # the caller made the pixels the core lacked (OpenAIServing.prepare_chat, off the
+        # loop); an image evicted since then is made at the send: rare, and still right
         self.states[request_id] = state
         for child_id, child_params in children:
             self.child_to_state[child_id] = state
