@@ -120,3 +120,19 @@ def serve(routers: DisaggRouters, path: str, body: dict) -> tuple[int, bytes]:
             return resp.status_code, resp.body
 
     return asyncio.run(run())
+
+
+# a prefill pod's answer (with a processed prompt, when given) and a decode pod's
+PARAMS = {"remote_block_ids": [1, 2], "do_remote_prefill": True}
+
+
+def prefill(prompt=None):
+    def answer(path, body):
+        out = {"kv_transfer_params": PARAMS}
+        return 200, {**out, "processed_prompt": prompt} if prompt else out, {}
+
+    return answer
+
+
+def decode(path, body):
+    return 200, {"answer": "decoded"}, {}

@@ -12,7 +12,7 @@ from epdserve.router.processed import image_affinity
 from epdserve.router.tokenize import PromptTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_pods import FakePool, refusing_url, serve  # noqa: E402
+from fake_pods import PARAMS, FakePool, decode, prefill, refusing_url, serve  # noqa: E402
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 TEXT = {"type": "text", "text": "what is this?"}
@@ -31,23 +31,10 @@ COMPLETION = {"model": "tiny", "max_tokens": 5, "prompt": "def main():\n    retu
 ITEM = {"id": "ab" * 32, "offset": 2, "length": 4}
 ENCODED = {"prompt_token_ids": [1, 9, 7, 7, 7, 7, 9, 5], "mm_items": [ITEM]}
 PREFILLED = {"prompt_token_ids": [1, 9, 7, 7, 7, 7, 9, 6], "mm_items": [ITEM]}
-PARAMS = {"remote_block_ids": [1, 2], "do_remote_prefill": True}
 
 
 def encoder(prompt=ENCODED):
     return lambda path, body: (200, {"processed_prompt": prompt} if prompt else {"ok": 1}, {})
-
-
-def prefill(prompt=None):
-    def answer(path, body):
-        out = {"kv_transfer_params": PARAMS}
-        return 200, {**out, "processed_prompt": prompt} if prompt else out, {}
-
-    return answer
-
-
-def decode(path, body):
-    return 200, {"answer": "decoded"}, {}
 
 
 def failing(status, headers=None):

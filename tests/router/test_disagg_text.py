@@ -13,7 +13,7 @@ from epdserve.connectors.kv_events import BlockStored, EventBatch
 from epdserve.router.tokenize import PromptTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_pods import FakePool, refusing_url, serve  # noqa: E402
+from fake_pods import PARAMS, FakePool, decode, prefill, refusing_url, serve  # noqa: E402
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 TEXT_CHAT = {
@@ -22,19 +22,6 @@ TEXT_CHAT = {
     "messages": [{"role": "user", "content": "hi " * 40}],
 }
 COMPLETION = {"model": "tiny", "max_tokens": 5, "prompt": "def main():\n    return 1\n" * 4}
-PARAMS = {"remote_block_ids": [1, 2], "do_remote_prefill": True}
-
-
-def prefill(prompt=None):
-    def answer(path, body):
-        out = {"kv_transfer_params": PARAMS}
-        return 200, {**out, "processed_prompt": prompt} if prompt else out, {}
-
-    return answer
-
-
-def decode(path, body):
-    return 200, {"answer": "decoded"}, {}
 
 
 @pytest.fixture(scope="module")
