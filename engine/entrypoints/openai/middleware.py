@@ -3,17 +3,45 @@ would re-stream every SSE chunk through extra tasks and queues)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 
 from epdserve.engine.entrypoints.openai.errors import error_response
 
 PROTECTED = ("/v1", "/tokenize", "/detokenize")  # probes, /metrics and /version stay open
+LINGER_BYTES = 4 << 20  # body a refused client may still send before its answer...
+LINGER_SECONDS = 2.0  # ...and for how long: past either, the connection just closes
+
+
+async def discard_body(scope, receive) -> None:
+    """Read and drop the request body before an early error answer, within LINGER_BYTES
+    and LINGER_SECONDS. Closing a socket with unread bytes resets it, and the reset can
+    destroy the answer on its way (a router forwarding the body then sees a dead pod)."""
+    headers = dict(scope["headers"])
+    length = headers.get(b"content-length")
+    if length is None and b"transfer-encoding" not in headers:
+        return  # no body
+    if length is not None and (not length.isdigit() or not 0 < int(length) <= LINGER_BYTES):
+        return
+
+    async def drain() -> None:
+        size = 0
+        while size <= LINGER_BYTES:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            size += len(message.get("body", b""))
+
+    with contextlib.suppress(TimeoutError):  # a bound, not a fault: the 401 follows
+        await asyncio.wait_for(drain(), LINGER_SECONDS)
 
 
 class APIKeyMiddleware:
     """The API routes need ``Authorization: Bearer <key>`` (constant-time compare). It is
-    the outermost middleware and reads headers only: a client without the key never makes
-    the pod read a byte of its body (the 401 closes the connection)."""
+    the outermost middleware and decides on headers only: a client without the key never
+    has its body parsed; at most LINGER_BYTES of it are read and dropped so that the 401
+    arrives (the 401 closes the connection)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -24,6 +52,7 @@ class APIKeyMiddleware:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             token = header[7:] if header[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
+                await discard_body(scope, receive)
                 response = error_response(
                     401, "Unauthorized: missing or invalid API key", headers={"connection": "close"}
                 )
