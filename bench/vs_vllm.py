@@ -1,20 +1,24 @@
 """epdserve side by side with vLLM's CPU build, same checkpoint, same machine (one JSON object).
 
-(a) offline: 64 prompts x 128 tokens, ``vllm.LLM.generate`` vs our ``LLM.generate``;
-(b) served: ``vllm serve`` vs ``epdserve serve``, both loaded by the same client, ``vllm bench
-    serve --dataset-name random --random-input-len 128 --random-output-len 128 --num-prompts 64
+Each engine runs alone (the other stopped), in alternating order, in two settings
+(``vs_vllm_settings``): ``defaults`` (each as a user starts it) and ``matched`` (the same block
+size, batched-token budget, sequences and KV bytes). vLLM runs in each of its thread-binding
+variants and the better one per case is kept (all are in the JSON).
+
+(a) offline: 256 prompts x 128 tokens in, 128 out, ``vllm.LLM.generate`` vs our
+    ``LLM.generate``: defaults, then matched at each ``--offline-threads`` count;
+(b) served: ``vllm serve`` vs ``epdserve serve``, each loaded by ``vllm bench serve
+    --dataset-name random --random-input-len 128 --random-output-len 128 --num-prompts 64
     --request-rate inf --ignore-eos``: req/s, output tok/s, TTFT and ITL percentiles;
-(c) served, shared prefix: the same client with ``--random-prefix-len`` (one prefix for every
-    prompt of a round), prefix caching on in both.
+(c) served, shared prefix: the same with ``--random-prefix-len 512``.
 
-Cases alternate within each round (the order flips every round); each round uses its own seed,
-the same for both engines, so no round reuses another's cached prefixes. Medians over rounds,
-ratios ours / vLLM's. Both engines: the ``tiny`` make-model Llama stored in bf16, dtype bfloat16,
-block size 32 (vLLM's CPU minimum), max_model_len 1024, 256 seqs, 2048 batched tokens, 1 GiB of
-KV cache, and the same thread settings (``vs_vllm_env.thread_env``). vLLM runs from its own venv
-(installed there on first use; skipped with a message where that fails).
+Every server start gets a warm-up run first (not counted); every round its own seed, the same
+for both engines. Medians over rounds; ratios ours / vLLM's best variant. The ``tiny``
+make-model Llama stored in bf16. vLLM runs from its own venv (installed there on first use;
+skipped with a message where that fails).
 
-    python bench/vs_vllm.py [--rounds 3] [--quick] [--vllm-venv DIR] [--no-install]
+    python bench/vs_vllm.py [--rounds 2] [--quick] [--vllm-venv DIR] [--no-install]
+        [--settings defaults matched] [--skip offline served] [--offline-threads 2 1]
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import time
 from pathlib import Path
 
 import vs_vllm_env as env
-from vs_vllm_serve import ServedPair
+import vs_vllm_settings as sets
+from vs_vllm_serve import CASES, run_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
@@ -59,13 +64,27 @@ def round_order(r: int) -> tuple[str, str]:
     return ("epdserve", "vllm") if r % 2 == 0 else ("vllm", "epdserve")
 
 
+def best_variant(variants: dict[str, list[dict]], metric: str) -> str:
+    """The variant with the highest median ``metric`` over its rounds."""
+    return max(variants, key=lambda v: median([r[metric] for r in variants[v]]))
+
+
+def compare_best(ours: list[dict], vllm: dict[str, list[dict]], keys, metric: str) -> dict:
+    """``compare`` against vLLM's best variant by ``metric``; every variant's medians too."""
+    best = best_variant(vllm, metric)
+    out = compare(ours, vllm[best], keys)
+    out["vllm_variant"] = best
+    out["vllm_variants"] = {v: summarize(runs)["median"] for v, runs in vllm.items()}
+    return out
+
+
 class OfflineWorker:
     """``vs_vllm_offline.py`` in one venv: loaded once, one generate per command."""
 
-    def __init__(self, python: str, engine: str, model: Path, threads: int):
+    def __init__(self, python: str, engine: str, model: Path, kwargs: dict, env_: dict):
         # -P: bench/ stays off sys.path (bench/kernels.py would shadow the `kernels` package)
         cmd = [python, "-P", str(HERE / "vs_vllm_offline.py"), "--engine", engine]
-        cmd += ["--model", str(model)]
+        cmd += ["--model", str(model), "--kwargs", json.dumps(kwargs)]
         self.log = model.parent / f"offline-{engine}.log"
         self.proc = subprocess.Popen(
             cmd,
@@ -73,7 +92,7 @@ class OfflineWorker:
             stdout=subprocess.PIPE,
             stderr=open(self.log, "w"),  # noqa: SIM115 (the child holds it)
             text=True,
-            env={**os.environ, **env.thread_env(threads)},
+            env=env_,
         )
         self.read()  # ready
 
@@ -97,73 +116,76 @@ class OfflineWorker:
             self.proc.kill()
 
 
-def offline(vllm_python: str, model: Path, args) -> dict:
-    workers = {
-        "epdserve": OfflineWorker(sys.executable, "epdserve", model, args.threads),
-        "vllm": OfflineWorker(vllm_python, "vllm", model, args.threads),
-    }
-    runs: dict[str, list[dict]] = {"epdserve": [], "vllm": []}
+def offline_one(python, name, model, kwargs, env_, cmd) -> dict:
+    """Load one engine alone, one full-size warm-up generate, one measured, exit."""
+    started = time.monotonic()
+    worker = OfflineWorker(python, name, model, kwargs, env_)
+    load_s = round(time.monotonic() - started, 1)
     try:
-        for r in range(-1, args.rounds):  # round -1: warm-up at full size, not counted
+        worker.run({**cmd, "seed": cmd["seed"] + 10_000})
+        res = worker.run(cmd)
+    finally:
+        worker.close()
+    return {**res, "load_s": load_s}
+
+
+def offline(vllm_python: str, model: Path, args) -> dict:
+    out = {}
+    pythons = {"epdserve": sys.executable, "vllm": vllm_python}
+    for setting, threads in sets.offline_cases(args.cpus, args.offline_threads):
+        label = setting if threads is None else f"{setting}_{threads}_threads"
+        runs: dict[str, dict[str, list]] = {"epdserve": {}, "vllm": {}}
+        for r in range(args.rounds):
             cmd = {"seed": 1000 + r, "prompts": args.prompts}
             cmd.update(prompt_len=args.input_len, output_len=args.output_len)
             for name in round_order(r):
-                other = workers["vllm" if name == "epdserve" else "epdserve"].proc.pid
-                quiet_wait = env.wait_quiet([w.proc.pid for w in workers.values()])
-                idle = env.process_cpu(other)
-                res = workers[name].run(cmd)
-                res["other_engine_idle_cpu_s"] = env.cpu_delta(idle, env.process_cpu(other))
-                res["waited_for_quiet_s"] = quiet_wait
-                if r >= 0:
-                    runs[name].append(res)
-    finally:
-        for w in workers.values():
-            w.close()
-    return compare(runs["epdserve"], runs["vllm"], ("output_tok_per_s",))
+                kwargs = sets.engine_kwargs(setting, name)
+                for variant, extra in sets.variants(name, threads, args.cpus).items():
+                    env_ = {**sets.base_env(), **extra}
+                    res = offline_one(pythons[name], name, model, kwargs, env_, cmd)
+                    runs[name].setdefault(variant, []).append(res)
+        metric = "output_tok_per_s"
+        out[label] = compare_best(runs["epdserve"]["default"], runs["vllm"], (metric,), metric)
+    return out
 
 
-def served(vllm_python: str, model: Path, args) -> tuple[dict, dict]:
-    pair = ServedPair(vllm_python, model, args.serve_threads, quick=args.quick)
-    runs = {case: {"epdserve": [], "vllm": []} for case in ("random", "shared_prefix")}
-    try:
-        pair.start()
-        for r in range(-1, args.rounds):  # round -1: warm-up, not counted
-            for i, case in enumerate(("random", "shared_prefix")):
-                order = round_order(r + i)
-                for name in order:
-                    res = pair.bench(name, case, seed=100 * (i + 1) + r, args=args)
-                    if r >= 0:
-                        runs[case][name].append(res)
-    finally:
-        pair.stop()
+def served(vllm_python: str, model: Path, args, setting: str) -> dict:
+    """Both cases in one setting: per round, each engine variant started alone in turn."""
+    runs = {case: {"epdserve": {}, "vllm": {}} for case in CASES}
+    tmp = Path(tempfile.mkdtemp(prefix="vs-vllm-serve-"))
+    for r in range(args.rounds):
+        cases = list(CASES) if r % 2 == 0 else list(CASES)[::-1]
+        plan = [(CASES[c][1 if args.quick else 0], 100 * (i + 1) + r) for i, c in enumerate(cases)]
+        for name in round_order(r):
+            flags = sets.serve_flags(setting, name)
+            for variant, extra in sets.variants(name, None, args.cpus).items():
+                env_ = {**sets.base_env(), **extra}
+                results = run_server(vllm_python, model, name, flags, env_, tmp, plan)
+                for case, res in zip(cases, results, strict=True):
+                    runs[case][name].setdefault(variant, []).append(res)
     keys = ("output_throughput", "request_throughput", "median_ttft_ms", "median_itl_ms")
-    return (
-        compare(runs["random"]["epdserve"], runs["random"]["vllm"], keys),
-        compare(runs["shared_prefix"]["epdserve"], runs["shared_prefix"]["vllm"], keys),
-    )
+    metric = "output_throughput"
+    return {
+        case: compare_best(runs[case]["epdserve"]["default"], runs[case]["vllm"], keys, metric)
+        for case in CASES
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="2 rounds, 16 prompts x 32 tokens")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="1 round, 16 prompts x 32 tokens")
     ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get(
         "EPDSERVE_VLLM_VENV", env.DEFAULT_VENV)))  # fmt: skip
     ap.add_argument("--no-install", action="store_true", help="never install vLLM")
-    cpus = len(os.sched_getaffinity(0))
-    ap.add_argument("--threads", type=int, default=cpus, help="offline: OpenMP threads, both")
-    ap.add_argument(
-        "--serve-threads",
-        type=int,
-        default=max(1, cpus - 1),
-        help="served: OpenMP threads of each engine's model process (both); default all CPUs "
-        "but one, what each engine picks by itself on this machine",
-    )
+    ap.add_argument("--offline-threads", type=int, nargs="*", default=[2, 1])
+    ap.add_argument("--settings", nargs="*", default=list(sets.SETTINGS), choices=sets.SETTINGS)
     ap.add_argument("--skip", nargs="*", default=[], choices=("offline", "served"))
     args = ap.parse_args()
-    args.prompts, args.input_len, args.output_len = (16, 128, 32) if args.quick else (64, 128, 128)
+    args.cpus = sorted(os.sched_getaffinity(0))
+    args.prompts, args.input_len, args.output_len = (16, 128, 32) if args.quick else (256, 128, 128)
     if args.quick:
-        args.rounds = min(args.rounds, 2)
+        args.rounds = 1
     versions, why = env.ensure_vllm(args.vllm_venv, install=not args.no_install)
     import torch
 
@@ -175,14 +197,17 @@ def main() -> None:
             "our_torch": torch.__version__,
             "vllm_and_its_torch": versions,
         },
-        "threads": {
-            "offline": env.thread_env(args.threads),
-            "served_model_process": env.thread_env(args.serve_threads),
-            "cpus": cpus,
-            "pinning": "none (VLLM_CPU_OMP_THREADS_BIND=nobind; ours never pins)",
-        },
+        "cpus": args.cpus,
+        "settings": {
+            s: {"epdserve": sets.serve_flags(s, "epdserve"), "vllm": sets.serve_flags(s, "vllm")}
+            for s in args.settings
+        },  # fmt: skip
         "rounds": args.rounds,
-        "workload": {"prompts": args.prompts, "input": args.input_len, "output": args.output_len},
+        "offline_workload": {
+            "prompts": args.prompts,
+            "input": args.input_len,
+            "output": args.output_len,
+        },  # fmt: skip
     }
     if versions is None:
         result["skipped"] = f"vLLM unavailable: {why}"
@@ -198,9 +223,7 @@ def main() -> None:
         if "offline" not in args.skip:
             result["a_offline"] = offline(vllm_python, model, args)
         if "served" not in args.skip:
-            result["b_served_random"], result["c_served_shared_prefix"] = served(
-                vllm_python, model, args
-            )
+            result["served"] = {s: served(vllm_python, model, args, s) for s in args.settings}
     result["ratios"] = headline(result)
     result["wall_s"] = round(time.time() - started, 1)
     result["loadavg_1_5_15"]["after"] = os.getloadavg()
@@ -208,18 +231,17 @@ def main() -> None:
 
 
 def headline(result: dict) -> dict:
-    """The three ratios (output throughput, ours / vLLM's) and served TTFT p50 next to them."""
+    """Every ratio, ours / vLLM's best variant: offline output tok/s per setting; served
+    output tok/s and TTFT p50 per setting and case."""
     out = {}
-    for key, metric in (
-        ("a_offline", "output_tok_per_s"),
-        ("b_served_random", "output_throughput"),
-        ("c_served_shared_prefix", "output_throughput"),
-    ):
-        if key in result:
-            ratios = result[key]["ratio_ours_over_vllm"]
-            out[key] = round(ratios[metric], 3)
+    for label, cmp in result.get("a_offline", {}).items():
+        out[f"offline_{label}"] = round(cmp["ratio_ours_over_vllm"]["output_tok_per_s"], 3)
+    for setting, cases in result.get("served", {}).items():
+        for case, cmp in cases.items():
+            ratios = cmp["ratio_ours_over_vllm"]
+            out[f"served_{setting}_{case}"] = round(ratios["output_throughput"], 3)
             if "median_ttft_ms" in ratios:
-                out[key + "_ttft_p50"] = round(ratios["median_ttft_ms"], 3)
+                out[f"served_{setting}_{case}_ttft_p50"] = round(ratios["median_ttft_ms"], 3)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Setup for ``bench/vs_vllm.py``: vLLM's own venv, the shared checkpoint, thread settings,
-and CPU seconds per process from ``/proc``.
+"""Setup for ``bench/vs_vllm.py``: vLLM's own venv, the shared checkpoint, and CPU seconds
+per process from ``/proc``.
 
 vLLM is never a project dependency: it lives in its own venv outside the checkout
 (default ``~/.cache/epdserve/vllm-venv``; ``--vllm-venv`` or ``EPDSERVE_VLLM_VENV``).
@@ -80,15 +80,6 @@ def make_checkpoint(out: Path, preset: str) -> Path:
     config["dtype"] = "bfloat16"
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    """The same settings for both engines: ``threads`` OpenMP threads for the model, no pinning.
-
-    vLLM's default (``VLLM_CPU_OMP_THREADS_BIND=auto``) reserves one CPU per worker for its
-    other processes and binds the rest, which is one thread on a 2-CPU machine; ``nobind``
-    makes its worker take ``OMP_NUM_THREADS`` from the environment, as ours does."""
-    return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def _children() -> dict[int, list[int]]:

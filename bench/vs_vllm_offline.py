@@ -6,7 +6,7 @@ Reads one JSON command per line on stdin (``{"seed": S, "prompts": N, "prompt_le
 log to stdout too). The workload is built from the seed with the stdlib, so both engines get
 the same token ids in the same round.
 
-    python bench/vs_vllm_offline.py --engine {epdserve,vllm} --model DIR [--block-size 32]
+    python bench/vs_vllm_offline.py --engine {epdserve,vllm} --model DIR [--kwargs JSON]
 """
 
 from __future__ import annotations
@@ -28,19 +28,13 @@ def token_prompts(seed: int, n: int, prompt_len: int) -> list[list[int]]:
 class Engine:
     """The few calls the bench needs, the same for both engines."""
 
-    def __init__(self, kind: str, model: str, block_size: int, kv_bytes: int):
+    def __init__(self, kind: str, model: str, kwargs: dict):
         self.kind = kind
-        common = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=256, seed=0)
-        common.update(max_num_batched_tokens=2048, enable_prefix_caching=True)
         if kind == "vllm":
             from vllm import LLM, SamplingParams
-
-            self.llm = LLM(model=model, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
-                           **common)  # fmt: skip
         else:
             from epdserve.engine import LLM, SamplingParams
-
-            self.llm = LLM(model=model, block_size=block_size, kv_cache_memory=kv_bytes, **common)
+        self.llm = LLM(model=model, **kwargs)
         self.params = SamplingParams
 
     def generate(self, prompts: list[list[int]], output_len: int) -> int:
@@ -55,10 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=("epdserve", "vllm"), required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--kv-bytes", type=int, default=1 << 30)
+    ap.add_argument("--kwargs", default="{}", help="LLM(...) keyword arguments as JSON")
     args = ap.parse_args()
-    engine = Engine(args.engine, args.model, args.block_size, args.kv_bytes)
+    engine = Engine(args.engine, args.model, json.loads(args.kwargs))
     engine.generate(token_prompts(-1, 4, 16), 8)  # first-call costs out of the rounds
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
