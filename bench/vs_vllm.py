@@ -12,12 +12,14 @@ variants and the better one per case is kept (all are in the JSON).
     --request-rate inf --ignore-eos``: req/s, output tok/s, TTFT and ITL percentiles;
 (c) served, shared prefix: the same with ``--random-prefix-len 512``.
 
-Every server start gets a warm-up run first (not counted); every round its own seed, the same
-for both engines. Medians over rounds; ratios ours / vLLM's best variant. The ``tiny``
+Every load or server start gets a warm-up run first (not counted), then ``--rounds`` runs
+(each round its own seed, the same for both engines; served cases alternate). Which engine
+goes first alternates between settings, and ``--vllm-first 1`` flips it all for a second
+run. Medians over rounds; ratios ours / vLLM's best variant. The ``tiny``
 make-model Llama stored in bf16. vLLM runs from its own venv (installed there on first use;
 skipped with a message where that fails).
 
-    python bench/vs_vllm.py [--rounds 2] [--quick] [--vllm-venv DIR] [--no-install]
+    python bench/vs_vllm.py [--rounds 3] [--quick] [--vllm-venv DIR] [--no-install]
         [--settings defaults matched] [--skip offline served] [--offline-threads 2 1]
 """
 
@@ -116,53 +118,60 @@ class OfflineWorker:
             self.proc.kill()
 
 
-def offline_one(python, name, model, kwargs, env_, cmd) -> dict:
-    """Load one engine alone, one full-size warm-up generate, one measured, exit."""
+def offline_runs(python, name, model, kwargs, env_, cmds: list[dict]) -> list[dict]:
+    """Load one engine alone, one full-size warm-up generate, then ``cmds``, exit."""
     started = time.monotonic()
     worker = OfflineWorker(python, name, model, kwargs, env_)
     load_s = round(time.monotonic() - started, 1)
     try:
-        worker.run({**cmd, "seed": cmd["seed"] + 10_000})
-        res = worker.run(cmd)
+        worker.run({**cmds[0], "seed": cmds[0]["seed"] + 10_000})
+        results = [worker.run(cmd) for cmd in cmds]
     finally:
         worker.close()
-    return {**res, "load_s": load_s}
+    return [{**res, "load_s": load_s} for res in results]
 
 
 def offline(vllm_python: str, model: Path, args) -> dict:
+    """Per setting: each engine variant loaded alone in turn (the first engine alternates
+    between settings), ``rounds`` measured generates each, the same seeds for all."""
     out = {}
     pythons = {"epdserve": sys.executable, "vllm": vllm_python}
-    for setting, threads in sets.offline_cases(args.cpus, args.offline_threads):
+    cases = sets.offline_cases(args.cpus, args.offline_threads)
+    for i, (setting, threads) in enumerate(cases):
         label = setting if threads is None else f"{setting}_{threads}_threads"
+        cmds = [{"seed": 1000 + r, "prompts": args.prompts, "prompt_len": args.input_len,
+                 "output_len": args.output_len} for r in range(args.rounds)]  # fmt: skip
         runs: dict[str, dict[str, list]] = {"epdserve": {}, "vllm": {}}
-        for r in range(args.rounds):
-            cmd = {"seed": 1000 + r, "prompts": args.prompts}
-            cmd.update(prompt_len=args.input_len, output_len=args.output_len)
-            for name in round_order(r):
-                kwargs = sets.engine_kwargs(setting, name)
-                for variant, extra in sets.variants(name, threads, args.cpus).items():
-                    env_ = {**sets.base_env(), **extra}
-                    res = offline_one(pythons[name], name, model, kwargs, env_, cmd)
-                    runs[name].setdefault(variant, []).append(res)
+        for name in round_order(i + args.vllm_first):
+            kwargs = sets.engine_kwargs(setting, name)
+            for variant, extra in sets.variants(name, threads, args.cpus).items():
+                env_ = {**sets.base_env(), **extra}
+                runs[name][variant] = offline_runs(pythons[name], name, model, kwargs, env_, cmds)
         metric = "output_tok_per_s"
         out[label] = compare_best(runs["epdserve"]["default"], runs["vllm"], (metric,), metric)
     return out
 
 
-def served(vllm_python: str, model: Path, args, setting: str) -> dict:
-    """Both cases in one setting: per round, each engine variant started alone in turn."""
+def served(vllm_python: str, model: Path, args, index: int, setting: str) -> dict:
+    """Both cases in one setting: each engine variant started alone in turn (the first
+    engine alternates between settings), ``rounds`` runs of each case, cases alternating."""
     runs = {case: {"epdserve": {}, "vllm": {}} for case in CASES}
     tmp = Path(tempfile.mkdtemp(prefix="vs-vllm-serve-"))
+    plan, order = [], []
     for r in range(args.rounds):
         cases = list(CASES) if r % 2 == 0 else list(CASES)[::-1]
-        plan = [(CASES[c][1 if args.quick else 0], 100 * (i + 1) + r) for i, c in enumerate(cases)]
-        for name in round_order(r):
-            flags = sets.serve_flags(setting, name)
-            for variant, extra in sets.variants(name, None, args.cpus).items():
-                env_ = {**sets.base_env(), **extra}
-                results = run_server(vllm_python, model, name, flags, env_, tmp, plan)
-                for case, res in zip(cases, results, strict=True):
-                    runs[case][name].setdefault(variant, []).append(res)
+        for case in cases:
+            plan.append(
+                (CASES[case][1 if args.quick else 0], 100 * (list(CASES).index(case) + 1) + r)
+            )
+            order.append(case)
+    for name in round_order(index + args.vllm_first):
+        flags = sets.serve_flags(setting, name)
+        for variant, extra in sets.variants(name, None, args.cpus).items():
+            env_ = {**sets.base_env(), **extra}
+            results = run_server(vllm_python, model, name, flags, env_, tmp, plan)
+            for case, res in zip(order, results, strict=True):
+                runs[case][name].setdefault(variant, []).append(res)
     keys = ("output_throughput", "request_throughput", "median_ttft_ms", "median_itl_ms")
     metric = "output_throughput"
     return {
@@ -173,7 +182,7 @@ def served(vllm_python: str, model: Path, args, setting: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 round, 16 prompts x 32 tokens")
     ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get(
         "EPDSERVE_VLLM_VENV", env.DEFAULT_VENV)))  # fmt: skip
@@ -181,11 +190,14 @@ def main() -> None:
     ap.add_argument("--offline-threads", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--settings", nargs="*", default=list(sets.SETTINGS), choices=sets.SETTINGS)
     ap.add_argument("--skip", nargs="*", default=[], choices=("offline", "served"))
+    ap.add_argument("--vllm-first", type=int, default=0, choices=(0, 1),
+                    help="1: vLLM goes first in the first setting (a second run flips order)")  # fmt: skip
     args = ap.parse_args()
     args.cpus = sorted(os.sched_getaffinity(0))
     args.prompts, args.input_len, args.output_len = (16, 128, 32) if args.quick else (256, 128, 128)
     if args.quick:
         args.rounds = 1
+    result_order = "vllm first" if args.vllm_first else "epdserve first"
     versions, why = env.ensure_vllm(args.vllm_venv, install=not args.no_install)
     import torch
 
@@ -203,6 +215,7 @@ def main() -> None:
             for s in args.settings
         },  # fmt: skip
         "rounds": args.rounds,
+        "first_setting_order": result_order,
         "offline_workload": {
             "prompts": args.prompts,
             "input": args.input_len,
@@ -223,7 +236,9 @@ def main() -> None:
         if "offline" not in args.skip:
             result["a_offline"] = offline(vllm_python, model, args)
         if "served" not in args.skip:
-            result["served"] = {s: served(vllm_python, model, args, s) for s in args.settings}
+            result["served"] = {
+                s: served(vllm_python, model, args, i, s) for i, s in enumerate(args.settings)
+            }
     result["ratios"] = headline(result)
     result["wall_s"] = round(time.time() - started, 1)
     result["loadavg_1_5_15"]["after"] = os.getloadavg()
