@@ -34,7 +34,7 @@ setup(
     package_data={
         "epdserve.engine": ["**/*.jinja"],
         "epdserve.operator": ["**/*.yaml"],
-        "epdserve.kernels": ["csrc/*.c"],
+        "epdserve.kernels": ["csrc/*.c", "csrc/*.h"],
     },
     cmdclass={"build_py": BuildPy},
 )

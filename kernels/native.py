@@ -1,66 +1,37 @@
-"""CPU kernels in C, built on first use and called via ctypes: decode attention
-(``csrc/paged_decode.c``) and the small per-token ops (``csrc/cpu_ops.c``: rotary, RMSNorm).
+"""CPU kernels in C, built on first use and called via ctypes: paged attention for decode
+(``csrc/paged_decode.c``) and for prefill spans over a cached prefix (``csrc/paged_prefill.c``),
+and the small per-token ops (``csrc/cpu_ops.c``: rotary, RMSNorm).
 
-The library is compiled with the system C compiler (``$CC``, else ``cc``) for this machine
-(``-O3 -march=native``), with OpenMP when the compiler has it: the library then shares
-torch's already-loaded ``libgomp.so.1`` and its thread count. It is cached under
-``$EPDSERVE_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/epdserve/kernels``, else
-``~/.cache/epdserve/kernels``, else a private directory in the temp dir), named by a hash of
-the source, the flags, the compiler and the CPU, and written atomically, so concurrent
-processes and machines sharing a home directory never load a foreign build. A directory
-that is not ours or is writable by others is never loaded from.
-
-When no compiler works, or ``EPDSERVE_NATIVE_KERNELS=0``, :func:`available` is False and
-the torch twin's batched decode is used instead (same results up to rounding; it does not
-reproduce the flash kernel's numerics).
+How the library is built, cached and bound: ``native_build.py``. When no compiler works, or
+``EPDSERVE_NATIVE_KERNELS=0``, :func:`available` is False and the torch twins are used
+instead (same results up to rounding; they do not reproduce the flash kernel's numerics).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import shlex
-import shutil
 import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from epdserve.kernels import native_build
 
-SOURCES = (Path(__file__).with_name("csrc") / "paged_decode.c",
-           Path(__file__).with_name("csrc") / "cpu_ops.c")  # fmt: skip
-BASE_FLAGS = [
-    "-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
-    "-std=c11",
-]  # fmt: skip
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lanes = 0  # set on load
-
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
-_ARGTYPES = [
-    _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _I64, _I64, _I64,
-    _PTR, _I64, _PTR, _PTR, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-]  # fmt: skip
-_ROTARY_ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, ctypes.c_int,
-                    ctypes.c_int]  # fmt: skip
-_RMS_NORM_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int,
-                      ctypes.c_int]  # fmt: skip
 # float32 lanes of torch's CPU kernels, which fix the flash kernel's exp/sum split
 _LANES = {"AVX512": 16, "AVX2": 8}
 
 
 def available() -> bool:
-    """True when the native decode kernel is built (or could be built now) and loaded."""
+    """True when the native kernels are built (or could be built now) and loaded."""
     return _load() is not None
 
 
@@ -72,82 +43,12 @@ def _load() -> ctypes.CDLL | None:
         if not _tried:
             if os.environ.get("EPDSERVE_NATIVE_KERNELS", "1") not in ("0", "false", "no"):
                 try:
-                    _lib = _build_and_load()
+                    _lib = native_build.build_and_load()
                     _lanes = _LANES.get(torch.backends.cpu.get_cpu_capability(), 0)
                 except (OSError, subprocess.SubprocessError) as exc:
-                    logger.warning("native decode attention unavailable (%s); using torch", exc)
+                    logger.warning("native CPU kernels unavailable (%s); using torch", exc)
             _tried = True
     return _lib
-
-
-def _build_and_load() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        logger.warning("no C compiler found: CPU decode attention uses the torch twin")
-        return None
-    cache = _cache_dir()
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
-    errors = ""
-    for flags in (BASE_FLAGS + ["-fopenmp"], BASE_FLAGS):
-        key = hashlib.sha256(
-            b"\0".join([source, " ".join(flags).encode(), _compiler_id(compiler), _cpu_id()])
-        ).hexdigest()[:20]
-        target = cache / f"paged_decode-{key}.so"
-        if not target.exists():
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            cmd = [*shlex.split(compiler), *flags, "-o", tmp, *map(str, SOURCES), "-lm"]
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if res.returncode != 0:
-                os.unlink(tmp)
-                errors = res.stderr[-500:]
-                continue
-            os.replace(tmp, target)
-        lib = ctypes.CDLL(str(target))
-        lib.epd_paged_decode.argtypes = _ARGTYPES
-        lib.epd_paged_decode.restype = ctypes.c_int
-        lib.epd_rotary.argtypes = _ROTARY_ARGTYPES
-        lib.epd_rotary.restype = ctypes.c_int
-        lib.epd_rms_norm.argtypes = _RMS_NORM_ARGTYPES
-        lib.epd_rms_norm.restype = ctypes.c_int
-        return lib
-    logger.warning("%s could not build the CPU decode kernel; using torch: %s", compiler, errors)
-    return None
-
-
-def _compiler_id(compiler: str) -> bytes:
-    res = subprocess.run([*shlex.split(compiler), "--version"], capture_output=True, timeout=30)
-    return res.stdout[:200]
-
-
-def _cpu_id() -> bytes:
-    flags = b""
-    try:
-        for line in Path("/proc/cpuinfo").read_bytes().splitlines():
-            if line.startswith((b"flags", b"Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return platform.machine().encode() + flags
-
-
-def _cache_dir() -> Path:
-    explicit = os.environ.get("EPDSERVE_KERNEL_CACHE")
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    candidates = [Path(explicit)] if explicit else []
-    candidates += [Path(xdg) / "epdserve" / "kernels"] if xdg else []
-    candidates += [Path.home() / ".cache" / "epdserve" / "kernels"]
-    candidates += [Path(tempfile.gettempdir()) / f"epdserve-kernels-{os.getuid()}"]
-    for path in candidates:
-        try:
-            path.mkdir(parents=True, exist_ok=True, mode=0o700)
-            st = path.stat()
-            if st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(path, os.W_OK):
-                return path
-        except OSError:
-            continue
-    raise OSError("no private writable directory for the kernel cache")
 
 
 def paged_decode(query, key_cache, value_cache, block_table, rows, lens, scale: float,
@@ -199,6 +100,50 @@ def supports(query, key_cache, value_cache) -> bool:
         and key_cache.stride(3) == 1
         and available()
     )
+
+
+def paged_prefill(query, key_cache, value_cache, block_table, seqs, starts, q_lens, lens,
+                  scale: float, window: int | None, soft_cap: float | None, *,
+                  bf16_pairs: bool = True) -> torch.Tensor:  # fmt: skip
+    """Causal attention of the query spans of sequences ``seqs`` in one call; float32 out.
+
+    Sequence ``seqs[j]`` (its table row) owns queries ``starts[j] .. starts[j] + q_lens[j]``
+    of ``query [T, H, D]``, the last ``q_lens[j]`` positions of its ``lens[j]``-token
+    context. Returns ``[T, H, D]`` float32 with those rows filled and the others 0 (the
+    caller rounds to the query's dtype). Caches as :func:`paged_decode` takes them
+    (:func:`prefill_supports`); numerics in ``csrc/paged_prefill.c``. ``bf16_pairs=False``
+    converts bfloat16 tiles to float32 even where the CPU has bfloat16 dot products (tests).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, kv_heads, _ = key_cache.shape
+    q = query.to(torch.float32).contiguous()
+    covered = sum(q_lens) == num_tokens  # every row is in a span: no row left to clear
+    out = torch.empty_like(q) if covered else torch.zeros_like(q)
+    table = block_table if block_table.dtype == torch.int32 else block_table.int()
+    table = table if table.stride(1) == 1 else table.contiguous()
+    ints = [torch.as_tensor(x, dtype=torch.int32) for x in (seqs, starts, q_lens, lens)]
+    s_n, s_b, s_h, _ = key_cache.stride()
+    kind = (2 - bf16_pairs) if key_cache.dtype == torch.bfloat16 else 0  # 1 pairs, 2 float32
+    rc = _load().epd_paged_prefill(
+        q.data_ptr(), out.data_ptr(), num_heads, head_dim, key_cache.data_ptr(),
+        value_cache.data_ptr(), s_n, s_b, s_h, kind, block_size, kv_heads, num_blocks,
+        table.data_ptr(), table.stride(0), table.shape[1], len(seqs), *(t.data_ptr() for t in ints), float(scale), int(window or 0),
+        float(soft_cap or 0.0), _lanes if kind else 0, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -3:
+        raise ValueError(f"block_table: a block id of the prefill sequences is outside "
+                         f"0..{num_blocks - 1}")  # fmt: skip
+    if rc == -2:
+        raise MemoryError("paged_prefill: no scratch memory")
+    if rc != 0:
+        raise ValueError(f"paged_prefill: unsupported layout or lengths (heads {num_heads}, "
+                         f"kv heads {kv_heads}, head_dim {head_dim})")  # fmt: skip
+    return out
+
+
+def prefill_supports(query, key_cache, value_cache) -> bool:
+    """Whether :func:`paged_prefill` takes these tensors (else use the torch twin)."""
+    return query.shape[2] % 16 == 0 and supports(query, key_cache, value_cache)
 
 
 def rotary_supports(positions, q, k, cos_sin_cache) -> bool:

@@ -33,33 +33,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_simd.h"      /* v16f, bits_to_f32, hsum16 */
+#include "flash_softmax.h" /* fexp, exp_chunk, round_bf16 */
+
 #define CHUNK 512
 #define PIECE 8192 /* floats of converted rows at a time (32 KiB) */
-
-static inline float bits_to_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* 2^(x*log2 e) with a cubic for the fraction, assembled in the exponent bits: the fast
- * exponential (relative error ~1e-5) of torch's flash kernel. x <= 0 here. */
-static inline float fexp(float x) {
-    const float log2e = bits_to_f32(0x3fb8aa3bu);
-    const float ln_min = bits_to_f32(0xc2aeac50u);
-    const float c0 = 0.00010703434948458272f, c1 = 0.30354260500649682f;
-    const float c2 = -0.22433836478672356f, c3 = -0.079204240219773236f;
-    const float a = 8388608.0f, b = 8388608.0f * 127.0f;
-    float xc = x < ln_min ? ln_min : x;
-    float src = xc * log2e;
-    float fr = src - floorf(src);
-    float r = fmaf(fr, c3, c2);
-    r = fmaf(fr, r, c1);
-    r = fmaf(fr, r, c0);
-    src = src - r;
-    int32_t i = (int32_t)fmaf(a, src, b);
-    return x < ln_min ? 0.0f : bits_to_f32((uint32_t)i);
-}
 
 /* element offset of token `pos` (head 0) through the sequence's block table */
 static inline int64_t slot_offset(const int32_t *blocks, int64_t pos, int64_t bs, int64_t s_n,
@@ -92,19 +70,6 @@ static inline void load_rows(float *restrict buf, const void *base, int64_t off,
                 memcpy(dst, (const float *)base + src_off, (size_t)d * sizeof(float));
             }
         }
-}
-
-typedef float v16f __attribute__((vector_size(64)));
-
-/* the sum of v's 16 lanes, folded in halves */
-static inline float hsum16(v16f v) {
-    v16f t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += t;
-    t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += t;
-    t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += t;
-    return v[0] + v[1];
 }
 
 /* the 16 lane sums of a[i] * b[i] over the first 16 * floor(d / 16) elements */
@@ -167,8 +132,6 @@ static inline void dot16(const float *restrict a, const float *restrict rows, in
  * `w << 16` holds the even ones and `w & 0xffff0000` the odd ones, each as float32 — no
  * conversion buffer, no shuffles. Dot products do not care about the order; P @ V keeps its
  * accumulators in this (even, odd) order per 32 elements and puts them back at the end. */
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
 static inline void bf16_split(const uint16_t *p, v16f *even, v16f *odd) {
     v16u w;
     memcpy(&w, p, 64);
@@ -316,81 +279,6 @@ static inline void weighted_rows4(float *restrict acc, const float *restrict p, 
     }
 }
 
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-#ifdef __AVX512F__
-/* fexp on 16 lanes at once, the same operations lane by lane (floor by truncation, exact
- * for the |x| < 2^31 met here: x*log2e >= ln_min*log2e > -127) */
-static inline v16f fexp16(v16f x) {
-    const float log2e = bits_to_f32(0x3fb8aa3bu);
-    const float ln_min = bits_to_f32(0xc2aeac50u);
-    const float c0 = 0.00010703434948458272f, c1 = 0.30354260500649682f;
-    const float c2 = -0.22433836478672356f, c3 = -0.079204240219773236f;
-    const float a = 8388608.0f, b = 8388608.0f * 127.0f;
-    v16i under = x < ln_min;
-    const v16f zero = {0}, lnv = zero + ln_min;
-    v16f xc = (v16f)(((v16i)lnv & under) | ((v16i)x & ~under));
-    v16f src = xc * log2e;
-    v16f t = __builtin_convertvector(__builtin_convertvector(src, v16i), v16f);
-    v16i below = src < t; /* truncation rounded up: floor is one less */
-    v16f fl = (v16f)(((v16i)(t - 1.0f) & below) | ((v16i)t & ~below));
-    v16f fr = src - fl;
-    /* fmaf(fr, c3, c2) etc.: fused, as the scalar version (and torch's kernel) */
-    v16f r = __builtin_ia32_vfmaddps512_mask(fr, zero + c3, zero + c2, -1, 4);
-    r = __builtin_ia32_vfmaddps512_mask(fr, r, zero + c1, -1, 4);
-    r = __builtin_ia32_vfmaddps512_mask(fr, r, zero + c0, -1, 4);
-    src = src - r;
-    v16f ai = __builtin_ia32_vfmaddps512_mask(zero + a, src, zero + b, -1, 4);
-    v16i i = __builtin_convertvector(ai, v16i);
-    return (v16f)(i & ~under);
-}
-#endif
-
-/* exp(row - mx) in place over n keys; returns their sum. lanes > 0: the flash kernel's way
- * (fexp on the first lanes*floor(n/lanes) keys summed in `lanes` partial sums folded in
- * halves, libm expf on the rest); lanes == 0: libm expf, summed in order. */
-static float exp_chunk(float *restrict row, int64_t n, float mx, int lanes) {
-    float part[16] = {0};
-    int64_t nvec = lanes > 0 ? lanes * (n / lanes) : 0;
-#ifdef __AVX512F__
-    if (lanes == 16) {
-        v16f acc = {0};
-        for (int64_t b = 0; b < nvec; b += 16) {
-            v16f x;
-            memcpy(&x, row + b, 64);
-            v16f e = fexp16(x - mx);
-            acc += e;
-            memcpy(row + b, &e, 64);
-        }
-        memcpy(part, &acc, 64);
-    } else
-#endif
-        for (int64_t b = 0; b < nvec; b += lanes) {
-#pragma omp simd
-            for (int l = 0; l < lanes; l++) {
-                float e = fexp(row[b + l] - mx);
-                part[l] += e;
-                row[b + l] = e;
-            }
-        }
-    for (int step = lanes / 2; step >= 1; step /= 2)
-        for (int l = 0; l < step; l++) part[l] += part[l + step];
-    float sum = part[0];
-    for (int64_t j = nvec; j < n; j++) {
-        float e = expf(row[j] - mx);
-        sum += e;
-        row[j] = e;
-    }
-    return sum;
-}
-
-/* round to nearest even bfloat16, kept as float32 */
-static inline void round_bf16(float *restrict x, int64_t n) {
-    uint32_t *bits = (uint32_t *)x; /* built with -fno-strict-aliasing */
-#pragma omp simd
-    for (int64_t j = 0; j < n; j++) bits[j] = (bits[j] + 0x7FFFu + ((bits[j] >> 16) & 1u)) & 0xFFFF0000u;
-}
-
 /* logits of `take` keys from position pos on: scaled, soft-capped, and -inf before lo */
 static inline void finish_logits(float *restrict lg, int64_t take, int64_t pos, int64_t lo,
                                  float scale, float soft_cap) {
@@ -501,7 +389,7 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
                 memset(lg, 0, (size_t)cb * sizeof(float));
                 continue;
             }
-            float csum = exp_chunk(lg, cb, tmax, lanes);
+            float csum = exp_chunk(lg, cb, cb, tmax, lanes);
             if (bf16) round_bf16(lg, cb); /* P is bfloat16 in P @ V */
             float rescale = expf(mx[hq] - tmax);
             sum[hq] = csum + rescale * sum[hq];

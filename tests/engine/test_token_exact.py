@@ -60,6 +60,33 @@ def test_bf16_first_tokens_agree_on_at_least_95_percent_of_prompts(
     assert_no_leak(llm)
 
 
+@pytest.mark.skipif(not native.available(), reason="no C compiler: prefill runs the torch twin")
+def test_native_prefill_kernel_over_cached_prefixes_is_token_exact(
+    models, hf_reference, monkeypatch
+):
+    """fp32 on the native backend: chunks and prompts after prefix-cache hits run the C
+    prefill kernel (its spans are counted) and match transformers token for token."""
+    spans = []
+    real = native.paged_prefill
+
+    def counted(query, key_cache, value_cache, table, seqs, starts, q_lens, lens, *args):
+        spans.extend(zip(q_lens, lens, strict=True))
+        return real(query, key_cache, value_cache, table, seqs, starts, q_lens, lens, *args)
+
+    monkeypatch.setattr(native, "paged_prefill", counted)
+    path = models.get("llama")
+    prompts = make_prompts(8, seed=0)
+    expected = hf_reference.greedy(path, prompts)
+    for overrides in (dict(enable_prefix_caching=True), dict(max_num_batched_tokens=16)):
+        llm = LLM(model=str(path), dtype="float32", max_model_len=512,
+                  attention_backend="native", **overrides)  # fmt: skip
+        for _ in range(2):  # with prefix caching, the second pass hits the cache
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+            assert [o.outputs[0].token_ids for o in outs] == expected, overrides
+        assert_no_leak(llm)
+    assert any(1 < q < ctx for q, ctx in spans)  # spans over a cached prefix ran in C
+
+
 def test_second_batch_reports_the_shared_prefix_as_cached(models):
     path = models.get("qwen3")
     shared = list(range(100, 164))  # four full 16-token blocks
