@@ -10,13 +10,20 @@ compiler is present) and ``torch`` (the batched torch decode it falls back to).
 the torch path; ``gather_ms`` is the torch path's block gather alone, every sequence padded
 to the longest.
 
-    .venv/bin/python bench/kernels.py [--quick] [--threads N]
+``prefill``: query spans of the tiny model (4 heads, 2 kv heads, head_dim 32, bf16, block
+32) through the per-sequence SDPA path (``torch`` backend: gather + SDPA per span, the
+path the native backend took before) vs the C prefill kernel in one call
+(``native.paged_prefill``) and vs the native backend (what the engine runs: plain prompts
+stay on SDPA); medians of interleaved runs.
+
+    .venv/bin/python bench/kernels.py [--quick] [--threads N] [--prefill-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -93,18 +100,71 @@ def decode_case(heads, kv_heads, head_dim, ctx, seqs, block_size, dtype, repeats
     }
 
 
+PREFILL_CASES = [  # (name, sequences, new tokens each, context each)
+    ("served-prefix", 16, 128, 640),  # 512 cached prefix tokens + 128 new
+    ("chunk-over-1536", 2, 512, 2048),
+    ("plain-16x128", 16, 128, 128),
+    ("plain-4x512", 4, 512, 512),
+    ("plain-1x2048", 1, 2048, 2048),
+]
+
+
+def median_of_interleaved(fns, repeats: int) -> list[float]:
+    """Median time of each function, alternating them so all see the same machine load."""
+    times = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def prefill_case(seqs, q_len, ctx, repeats, heads=4, kv_heads=2, head_dim=32, block_size=32):
+    nblk = -(-ctx // block_size)
+    num_blocks = seqs * nblk + 1
+    kv = torch.randn(num_blocks, 4, 2, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    key_cache, value_cache = kv[:, 1, 0], kv[:, 1, 1]
+    table = (torch.randperm(num_blocks - 1)[: seqs * nblk] + 1).view(seqs, nblk).int()
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    qsl = torch.arange(seqs + 1, dtype=torch.int32) * q_len
+    query = torch.randn(seqs * q_len, heads, head_dim, dtype=torch.bfloat16)
+    args = (query, key_cache, value_cache, table, lens, qsl, head_dim**-0.5)
+    spans = (list(range(seqs)), qsl[:-1].tolist(), [q_len] * seqs, lens.tolist())
+    fns = [
+        lambda: TorchBackend().paged_attention(*args),
+        lambda: native.paged_prefill(*args[:4], *spans, args[-1], None, None).to(query.dtype),
+        lambda: NativeBackend().paged_attention(*args),
+    ]
+    t_sdpa, t_kernel, t_backend = median_of_interleaved(fns, repeats)
+    return {
+        "seqs": seqs, "new_tokens": q_len, "context": ctx,
+        "sdpa_ms": round(t_sdpa * 1e3, 3), "kernel_ms": round(t_kernel * 1e3, 3),
+        "native_backend_ms": round(t_backend * 1e3, 3), "speedup": round(t_sdpa / t_kernel, 2),
+    }  # fmt: skip
+
+
+def prefill_results(repeats: int) -> list[dict]:
+    if not native.available():
+        return []
+    return [{"case": name} | prefill_case(*shape, repeats) for name, *shape in PREFILL_CASES]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--prefill-only", action="store_true", help="skip the decode cases")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     repeats = 5 if opts.quick else 20
     results = []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float32) if not opts.prefill_only else ():
         for name, heads, kv_heads, head_dim in CONFIGS:
             for ctx in (256, 1024, "ragged"):
                 case = decode_case(heads, kv_heads, head_dim, ctx, opts.seqs,
@@ -120,8 +180,9 @@ def main() -> None:
         "native_kernel": native.available(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "twin": results,
-        "min_ratio": min(r["ratio"] for r in results),
-        "min_torch_ratio": min(r["torch_ratio"] for r in results),
+        "min_ratio": min((r["ratio"] for r in results), default=None),
+        "min_torch_ratio": min((r["torch_ratio"] for r in results), default=None),
+        "prefill": prefill_results(max(3, repeats // 2)),
         "gpu": "not measured (no GPU on this machine)",
     }))  # fmt: skip
 
