@@ -5,7 +5,9 @@ write, RMSNorm, rotary embedding), a small registry of classes chosen by name an
   soft cap, cache write, RMSNorm, rotary). CUDA tensors, or CPU tensors under
   ``TRITON_INTERPRET=1`` (correctness only: 30-500x slower than torch).
 - ``native``: the torch twins, with the C kernels (``native.py``) where they take the
-  tensors: decode attention, RMSNorm and rotary (each with the twin's rounding).
+  tensors: decode attention, prefill attention over a cached prefix or chunk (plain
+  prompts stay on SDPA's causal kernel), RMSNorm and rotary (each within the twin's
+  stated numerics).
 - ``torch``: the torch twins alone (SDPA prefill, batched padded decode): the reference.
 
 The model picks one at load (``get_backend``); ``default_backend(device)`` is ``triton`` on
