@@ -39,17 +39,21 @@ CONFIGS = [  # (name, heads, kv_heads, head_dim): make-model's presets, then a r
 ]
 
 
-def best_of_interleaved(fns, repeats: int) -> list[float]:
-    """Best time of each function, alternating them so both see the same machine load."""
-    best = [float("inf")] * len(fns)
+def times_of_interleaved(fns, repeats: int) -> list[list[float]]:
+    """Times of each function, alternating them so all see the same machine load."""
+    times = [[] for _ in fns]
     for fn in fns:
         fn()
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             t0 = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def best_of_interleaved(fns, repeats: int) -> list[float]:
+    return [min(t) for t in times_of_interleaved(fns, repeats)]
 
 
 def context_lengths(ctx, seqs: int) -> torch.Tensor:
@@ -110,16 +114,7 @@ PREFILL_CASES = [  # (name, sequences, new tokens each, context each)
 
 
 def median_of_interleaved(fns, repeats: int) -> list[float]:
-    """Median time of each function, alternating them so all see the same machine load."""
-    times = [[] for _ in fns]
-    for fn in fns:
-        fn()
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return [statistics.median(t) for t in times_of_interleaved(fns, repeats)]
 
 
 def prefill_case(seqs, q_len, ctx, repeats, heads=4, kv_heads=2, head_dim=32, block_size=32):

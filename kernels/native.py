@@ -79,15 +79,21 @@ def paged_decode(query, key_cache, value_cache, block_table, rows, lens, scale: 
         None if rows_t is None else rows_t.data_ptr(), lens_t.data_ptr(), float(scale),
         int(window or 0), float(soft_cap or 0.0), lanes, torch.get_num_threads(),
     )  # fmt: skip
+    _check_rc(rc, "paged_decode", "decoding", num_blocks,
+              f"unsupported layout (heads {num_heads}, kv heads {kv_heads})")  # fmt: skip
+    return out.to(query.dtype)
+
+
+def _check_rc(rc: int, kernel: str, seqs: str, num_blocks: int, layout: str) -> None:
+    """Raise for an attention kernel's error code: -3 a bad block id, -2 no scratch, other
+    non-zero ``layout``."""
     if rc == -3:
-        raise ValueError(f"block_table: a block id of the decoding sequences is outside "
+        raise ValueError(f"block_table: a block id of the {seqs} sequences is outside "
                          f"0..{num_blocks - 1}")  # fmt: skip
     if rc == -2:
-        raise MemoryError("paged_decode: no scratch memory")
+        raise MemoryError(f"{kernel}: no scratch memory")
     if rc != 0:
-        raise ValueError(f"paged_decode: unsupported layout (heads {num_heads}, kv heads "
-                         f"{kv_heads})")  # fmt: skip
-    return out.to(query.dtype)
+        raise ValueError(f"{kernel}: {layout}")
 
 
 def supports(query, key_cache, value_cache) -> bool:
@@ -127,17 +133,12 @@ def paged_prefill(query, key_cache, value_cache, block_table, seqs, starts, q_le
     rc = _load().epd_paged_prefill(
         q.data_ptr(), out.data_ptr(), num_heads, head_dim, key_cache.data_ptr(),
         value_cache.data_ptr(), s_n, s_b, s_h, kind, block_size, kv_heads, num_blocks,
-        table.data_ptr(), table.stride(0), table.shape[1], len(seqs), *(t.data_ptr() for t in ints), float(scale), int(window or 0),
-        float(soft_cap or 0.0), _lanes if kind else 0, torch.get_num_threads(),
+        table.data_ptr(), table.stride(0), table.shape[1], len(seqs),
+        *(t.data_ptr() for t in ints), float(scale), int(window or 0), float(soft_cap or 0.0), _lanes if kind else 0, torch.get_num_threads(),
     )  # fmt: skip
-    if rc == -3:
-        raise ValueError(f"block_table: a block id of the prefill sequences is outside "
-                         f"0..{num_blocks - 1}")  # fmt: skip
-    if rc == -2:
-        raise MemoryError("paged_prefill: no scratch memory")
-    if rc != 0:
-        raise ValueError(f"paged_prefill: unsupported layout or lengths (heads {num_heads}, "
-                         f"kv heads {kv_heads}, head_dim {head_dim})")  # fmt: skip
+    _check_rc(rc, "paged_prefill", "prefill", num_blocks,
+              f"unsupported layout or lengths (heads {num_heads}, kv heads {kv_heads}, "
+              f"head_dim {head_dim})")  # fmt: skip
     return out
 
 
