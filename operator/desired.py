@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from epdserve.operator import cache, engine, kvevents, meta, network, router, scalers
+from epdserve.operator import cache, engine, kvevents, lora, meta, network, router, scalers
 from epdserve.operator.spec import ROLES, PoolSpec
 
 # Kinds the operator owns, in apply order (ConfigMap before the pods that read it, RBAC
@@ -43,7 +43,9 @@ def desired_objects(pool: PoolSpec, replicas: dict[str, int] | None = None) -> l
     `replicas` overrides the size of autoscaled roles (what the autoscaler decided).
     """
     config_map = engine.build_config_map(pool)
-    config_hash = meta.digest(config_map["data"])
+    # a dynamic pool's adapter list reaches running pods through the API, not a rollout
+    hashed = {k: v for k, v in config_map["data"].items() if k != lora.CONFIG_KEY}
+    config_hash = meta.digest(hashed)
     objects = [
         config_map,
         router.build_router_service_account(pool),

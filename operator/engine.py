@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from epdserve.operator import kvevents, meta, source
+from epdserve.operator import kvevents, lora, meta, source
 from epdserve.operator.gpu import device_env
 from epdserve.operator.spec import SERVE_ROLE, PoolSpec
 from epdserve.operator.transfer import ec_transfer_config, kv_events_config, kv_transfer_config
@@ -15,6 +15,7 @@ from epdserve.operator.transfer import ec_transfer_config, kv_events_config, kv_
 def build_config_map(pool: PoolSpec) -> dict:
     """`<pool>-config`: the connector configs of every role and the hash seed."""
     data = {"hash-seed": pool.hash_seed, "model": pool.model_arg}
+    data |= lora.config_data(pool.lora, model_claim(pool))
     for role in pool.roles:
         if (kv := kv_transfer_config(pool, role)) is not None:
             data[f"kv-transfer-{role}.json"] = json.dumps(kv, sort_keys=True)
@@ -92,6 +93,7 @@ def engine_env(pool: PoolSpec, role: str) -> list[dict]:
         key = f"ec-transfer-{role}.json"
         env.append(_from_config("EPDSERVE_EC_TRANSFER_CONFIG", config_map, key))
     env += redis_password_env(pool) + api_key_env(pool)
+    env += lora.list_env(pool.lora, config_map, role)
     env += [{"name": f"EPDSERVE_{k}", "value": str(v)} for k, v in sorted(pool.tuning.items())]
     user = [dict(e) for e in pool.roles[role].env]
     threads = core_threads(pool.roles[role].resources)
@@ -130,8 +132,14 @@ def engine_command(pool: PoolSpec, role: str) -> list[str]:
         str(meta.HTTP_PORT),
         "--served-model-name",
         pool.served_name,
+        *lora.engine_args(pool.lora, role, model_claim(pool)),
         *pool.roles[role].args,
     ]
+
+
+def model_claim(pool: PoolSpec) -> str | None:
+    """The model's PVC, if any (adapters on it are read through the /models mount)."""
+    return pool.model_pvc[0] if pool.model_pvc else None
 
 
 PRESTOP_SLEEP_S = 5  # time for EndpointSlices and the router to drop a terminating pod
@@ -195,7 +203,8 @@ def _volumes(pool: PoolSpec, role: str) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "shared-cache", "persistentVolumeClaim": claim})
         mounts.append({"name": "shared-cache", "mountPath": pool.cache.storage_path})
     curve_vols, curve_mounts = kvevents.engine_volumes(pool, role)
-    return volumes + curve_vols, mounts + curve_mounts
+    lora_vols, lora_mounts = lora.engine_volumes(pool.lora, role, model_claim(pool))
+    return volumes + curve_vols + lora_vols, mounts + curve_mounts + lora_mounts
 
 
 def _ports(pool: PoolSpec, role: str) -> list[dict]:
@@ -235,9 +244,11 @@ def build_engine_deployment(pool: PoolSpec, role: str, config_hash: str = "") ->
         "volumes": volumes,
         "terminationGracePeriodSeconds": grace,
     }
+    inits = lora.init_containers(pool.lora, role, pool.image, pool.pull_policy)
     if pool.model_hf:
-        init = source.download_init_container(pool.image, pool.pull_policy, pool.model_hf)
-        pod_spec["initContainers"] = [init]
+        inits.insert(0, source.download_init_container(pool.image, pool.pull_policy, pool.model_hf))
+    if inits:
+        pod_spec["initContainers"] = inits
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epdserve.operator import meta, router
+from epdserve.operator import lora_sync, meta, router
 from epdserve.operator.autoscaler import held_replicas
 from epdserve.operator.desired import (
     OWNED_KINDS,
@@ -147,6 +147,13 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
     )
     if old_status.get("autoscaling"):  # the autoscaler's last decisions, written by it
         status["autoscaling"] = old_status["autoscaling"]
+    if pool.lora is not None:  # dynamic pools: load/unload the difference on ready pods
+        status["lora"] = lora_sync.sync(kube, pool)
+        if lora_sync.failing(status["lora"]) and not lora_sync.failing(old_status.get("lora")):
+            message = "; ".join(e for v in status["lora"].values() for e in v.get("errors", []))
+            outcome.events.append(("Warning", "LoraSyncFailed", message))
+    elif old_status.get("lora"):
+        status["lora"] = None  # a merge patch deletes the section
     outcome.status = status
     if is_transition(old_status, status, "Ready") and status["phase"] == "Ready":
         outcome.events.append(("Normal", "Ready", f"all pods ready; endpoint {status['endpoint']}"))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from epdserve.operator import kvevents, meta, source
-from epdserve.operator.engine import api_key_env, downward_env, model_volumes
+from epdserve.operator import kvevents, lora, meta, source
+from epdserve.operator.engine import api_key_env, downward_env, model_claim, model_volumes
 from epdserve.operator.spec import PoolSpec
 
 # What the router may do with the API: find the pool's pods (namespaced, read-only).
@@ -100,6 +100,7 @@ def router_command(pool: PoolSpec) -> list[str]:
         "--kv-replay-port",
         str(meta.REPLAY_PORT),
         *kvevents.router_args(pool),
+        *lora.router_args(pool.lora, model_claim(pool)),
     ]
 
 
@@ -119,7 +120,8 @@ def build_router_deployment(pool: PoolSpec) -> dict:
             {"name": "HOME", "value": "/tmp"},
             {"name": "HF_HOME", "value": source.HF_HOME},
         ]
-        + api_key_env(pool),
+        + api_key_env(pool)
+        + lora.list_env(pool.lora, meta.name_of(pool, "config")),
         "ports": [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}],
         "resources": dict(router.resources),
         "volumeMounts": [

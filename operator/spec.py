@@ -4,7 +4,8 @@ The CRD schema checks types, enums and minimums; :func:`parse_pool` checks what 
 cannot say (which roles go together, which cache a role set needs) and raises
 :class:`InvalidSpec` naming the field, before anything is built or applied. Sections with
 rules of their own parse in their own modules: `spec.cache` (``cache_spec``),
-`spec.autoscaling` (``autoscaling``), the GPU fields (``gpu``), the Hub source (``source``).
+`spec.autoscaling` (``autoscaling``), the GPU fields (``gpu``), the Hub source (``source``),
+`spec.lora` (``lora``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from epdserve.operator.autoscaling import (
 from epdserve.operator.cache_spec import CacheSpec, parse_cache, validate_cache
 from epdserve.operator.errors import InvalidSpec
 from epdserve.operator.gpu import role_gpus, validate_device, with_gpus
+from epdserve.operator.lora import LoraSpec, parse_lora
 from epdserve.operator.source import HubSource, parse_hub_source
 from epdserve.operator.spec_fields import resources, secret_ref
 
@@ -90,6 +92,7 @@ class PoolSpec:
     gpu_memory_utilization: float = 0.9
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     kv_events_curve: bool = True  # CurveZMQ on the KV-event sockets (keys in a pool Secret)
+    lora: LoraSpec | None = None  # `spec.lora`: None serves no adapters
 
     @property
     def model_arg(self) -> str:
@@ -149,6 +152,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
     if not engine.get("image"):
         raise InvalidSpec("spec.engine.image is required")
     pvc = source.get("pvc")
+    hub = parse_hub_source(source.get("huggingFace"))
     pool = PoolSpec(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", "default"),
@@ -156,7 +160,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
         served_name=model["name"],
         model_pvc=(pvc["claimName"], pvc.get("path", "")) if pvc else None,
         model_path=source.get("path"),
-        model_hf=parse_hub_source(source.get("huggingFace")),
+        model_hf=hub,
         image=engine["image"],
         pull_policy=engine.get("imagePullPolicy", "IfNotPresent"),
         pull_secrets=tuple(engine.get("imagePullSecrets") or ()),
@@ -191,6 +195,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
         device=engine.get("device", "auto"),
         gpu_memory_utilization=float(engine.get("gpuMemoryUtilization", 0.9)),
         autoscaling=parse_autoscaling(spec.get("autoscaling")),
+        lora=parse_lora(spec.get("lora"), model["name"], hub),
     )
     validate(pool)
     return pool

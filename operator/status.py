@@ -104,7 +104,11 @@ def degraded_status(
         _condition("Progressing", False, reason, message, generation, old, now),
         _condition("Degraded", True, reason, message, generation, old, now),
     ]
-    out = {k: v for k, v in old_status.items() if k in ("endpoint", "ready", "roles", "hashSeed")}
+    out = {
+        k: v
+        for k, v in old_status.items()
+        if k in ("endpoint", "ready", "roles", "hashSeed", "lora")
+    }
     out.update(phase="Degraded", observedGeneration=generation, conditions=conditions)
     return out
 
