@@ -25,7 +25,7 @@ from epdserve.operator.source import HubSource, download_init_container
 LORA_DIR = "/lora"  # Hub adapters are linked here, one directory per adapter name
 PVC_DIR = "/lora-pvc"  # PVC adapters: each claim mounted read-only at PVC_DIR/<claim>
 CONFIG_KEY = "lora-modules"  # ConfigMap key of the adapter list (dynamic pools)
-ROLES = ("colocated", "prefill", "decode")  # roles whose pods serve adapters
+SERVING_ROLES = ("colocated", "prefill", "decode")  # roles whose pods serve adapters
 NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 HUB_REPO = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 MAX_RANK = 512
@@ -182,7 +182,7 @@ def modules(lora: LoraSpec, model_claim: str | None) -> list[str]:
 
 
 def serves(lora: LoraSpec | None, role: str) -> bool:
-    return lora is not None and role in ROLES
+    return lora is not None and role in SERVING_ROLES
 
 
 def engine_args(lora: LoraSpec | None, role: str, model_claim: str | None) -> list[str]:
@@ -198,9 +198,10 @@ def engine_args(lora: LoraSpec | None, role: str, model_claim: str | None) -> li
     return args
 
 
-def list_env(lora: LoraSpec | None, config_map: str, role: str = "colocated") -> list[dict]:
-    """EPDSERVE_LORA_MODULES from the ConfigMap: how a dynamic pool's pods get the list."""
-    if not serves(lora, role) or not lora.dynamic:
+def list_env(lora: LoraSpec | None, config_map: str, role: str | None = None) -> list[dict]:
+    """EPDSERVE_LORA_MODULES from the ConfigMap: how a dynamic pool's pods get the list
+    (`role` None: the router)."""
+    if lora is None or not lora.dynamic or (role is not None and not serves(lora, role)):
         return []
     ref = {"configMapKeyRef": {"name": config_map, "key": CONFIG_KEY}}
     return [{"name": "EPDSERVE_LORA_MODULES", "valueFrom": ref}]

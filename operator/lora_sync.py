@@ -12,6 +12,7 @@ their failures go to the status, never out of the reconcile.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
 import urllib.error
@@ -44,7 +45,7 @@ class PodClient:
                 return response.read()
         except urllib.error.HTTPError as exc:
             raise RuntimeError(f"{exc.code} {_error_text(exc.read())}") from None
-        except (OSError, ValueError) as exc:  # refused, reset, timed out
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, reset, timeout
             raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
 
     def adapters(self, base: str) -> dict[str, str]:
