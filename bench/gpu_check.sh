@@ -31,4 +31,7 @@ EPDSERVE_TEST_DEVICE=cuda timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
 
 echo "== 2. decode bandwidth and offline throughput (triton backend)"
 timeout 240 "$PY" bench/gpu_decode.py ${QUICK:+--quick} | tee "$OUT/gpu_decode.json" || status=1
+
+echo "== 3. LoRA: the Triton kernel against its torch twin on cuda (issue #29)"
+timeout 90 "$PY" bench/lora_kernels.py --gpu | tee "$OUT/lora_triton.json" || status=1
 exit $status

@@ -27,7 +27,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "cpu_ops.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "cpu_ops.c", CSRC / "lora.c")
 HEADERS = (CSRC / "cpu_simd.h",)
 BASE_FLAGS = [
     "-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
@@ -49,6 +49,10 @@ ARGTYPES = {
     ],
     "epd_rotary": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _INT, _INT],
     "epd_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT, _INT],
+    "epd_lora_apply": [
+        _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
+        _I64, _INT, _INT, _INT,
+    ],
 }  # fmt: skip
 
 

@@ -1,0 +1,239 @@
+/* LoRA delta for CPUs, many adapters in one batch: for each token t whose slot
+ * s = slots[t] is not -1,  y[t] += round(B[s] @ (scaling[s] * (A[s] @ x[t]))).
+ *
+ * Numerics of the torch twin (epdserve/kernels/lora_ref.py): shrink and expand in float32,
+ * the delta rounded to y's dtype, then one add in y's dtype. Sums run in another order
+ * than torch's GEMM (16 lanes, then a tree; FMA), so float32 results agree to rounding.
+ *
+ * Each thread takes a contiguous range of tokens and handles it slot by slot: B[s] is
+ * transposed to float32 once per (thread, slot) (or read in place when its memory is
+ * already [S, r, out]: a transposed view), then the slot's rows (in any order) go
+ * through in groups of GROUP, each row of A[s] and of B[s]^T loaded once per group.
+ * Called via ctypes (epdserve/kernels/lora.py); built with the other C kernels.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_simd.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define GROUP 4
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f load16(const void *p, int64_t i, int bf16) {
+    v16f v;
+    if (bf16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)p + i, 32);
+        v16u u = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&v, &u, 64);
+    } else {
+        memcpy(&v, (const float *)p + i, 64);
+    }
+    return v;
+}
+
+static inline float load1(const void *p, int64_t i, int bf16) {
+    return bf16 ? bits_to_f32((uint32_t)((const uint16_t *)p)[i] << 16) : ((const float *)p)[i];
+}
+
+/* y[i] = y[i] + round(d[i]) in y's dtype (one rounding of the sum for bfloat16) */
+static inline void add16(void *y, int64_t i, v16f d, int bf16) {
+    if (bf16) {
+        v16f sum = load16(y, i, 1) + round_bf16_16(d);
+        v16h out = __builtin_convertvector(((v16u)round_bf16_16(sum)) >> 16, v16h);
+        memcpy((uint16_t *)y + i, &out, 32);
+    } else {
+        v16f sum = load16(y, i, 0) + d;
+        memcpy((float *)y + i, &sum, 64);
+    }
+}
+
+static inline void add1(void *y, int64_t i, float d, int bf16) {
+    if (bf16) {
+        v16f v = round_bf16_16(splat16(load1(y, i, 1)) + round_bf16_16(splat16(d)));
+        ((uint16_t *)y)[i] = (uint16_t)(((v16u)v)[0] >> 16);
+    } else {
+        ((float *)y)[i] += d;
+    }
+}
+
+typedef struct {
+    void *y;
+    const void *x, *a, *b; /* b: B [S, out, r] with strides b_ss, b_so, b_sk (elements) */
+    const int32_t *slots;
+    const float *scaling;
+    int64_t y_stride, x_stride, tokens, num_slots, rank, in_dim, out_dim, b_ss, b_so, b_sk;
+    int act_bf16, w_bf16;
+} Args;
+
+/* h[j][k] = scaling * (x_j . a_k) for GROUP rows (pointers may repeat) and k < rank */
+static inline __attribute__((always_inline)) void shrink(const Args *p, const void **xs,
+                                                         const void *a, float sc, float *h,
+                                                         int xb, int wb) {
+    int64_t in = p->in_dim, vec = in & ~(int64_t)15;
+    for (int64_t k = 0; k < p->rank; k++) {
+        const void *ak = wb ? (const void *)((const uint16_t *)a + k * in)
+                            : (const void *)((const float *)a + k * in);
+        v16f acc[GROUP] = {{0}};
+        for (int64_t i = 0; i < vec; i += 16) {
+            v16f w = load16(ak, i, wb);
+            for (int j = 0; j < GROUP; j++) acc[j] = fma16(load16(xs[j], i, xb), w, acc[j]);
+        }
+        for (int j = 0; j < GROUP; j++) {
+            float tail = 0.0f;
+            for (int64_t i = vec; i < in; i++) tail += load1(xs[j], i, xb) * load1(ak, i, wb);
+            h[j * p->rank + k] = (hsum16(acc[j]) + tail) * sc;
+        }
+    }
+}
+
+/* B[s]^T [rank, out]: rows `ld` elements apart, bfloat16 or float32 */
+typedef struct {
+    const void *p;
+    int64_t ld;
+    int bf16;
+} Bt;
+
+/* y_j += round(h_j @ bt) for the first g rows */
+static inline __attribute__((always_inline)) void expand_t(const Args *p, void **ys, int g,
+                                                           const float *h, Bt bt, int wb) {
+    int64_t out = p->out_dim, r = p->rank, vec = out & ~(int64_t)15;
+    for (int64_t o = 0; o < vec; o += 16) {
+        v16f acc[GROUP] = {{0}};
+        for (int64_t k = 0; k < r; k++) {
+            v16f b = load16(bt.p, k * bt.ld + o, wb);
+            for (int j = 0; j < GROUP; j++) acc[j] = fma16(splat16(h[j * r + k]), b, acc[j]);
+        }
+        for (int j = 0; j < g; j++) add16(ys[j], o, acc[j], p->act_bf16);
+    }
+    for (int64_t o = vec; o < out; o++)
+        for (int j = 0; j < g; j++) {
+            float d = 0.0f;
+            for (int64_t k = 0; k < r; k++)
+                d = __builtin_fmaf(h[j * r + k], load1(bt.p, k * bt.ld + o, wb), d);
+            add1(ys[j], o, d, p->act_bf16);
+        }
+}
+
+static void expand(const Args *p, void **ys, int g, const float *h, Bt bt) {
+    if (bt.bf16)
+        expand_t(p, ys, g, h, bt, 1);
+    else
+        expand_t(p, ys, g, h, bt, 0);
+}
+
+static void run_group(const Args *p, int64_t s, const int64_t *rows, int g, Bt bt, float *h) {
+    const void *xs[GROUP];
+    void *ys[GROUP];
+    int64_t xsz = p->act_bf16 ? 2 : 4;
+    for (int j = 0; j < GROUP; j++) {
+        int64_t t = rows[j < g ? j : g - 1]; /* padding rows repeat the last: computed, unused */
+        xs[j] = (const char *)p->x + t * p->x_stride * xsz;
+        ys[j] = (char *)p->y + t * p->y_stride * xsz;
+    }
+    int64_t wsz = p->w_bf16 ? 2 : 4;
+    const void *a = (const char *)p->a + s * p->rank * p->in_dim * wsz;
+    float sc = p->scaling[s];
+    if (p->act_bf16 && p->w_bf16)
+        shrink(p, xs, a, sc, h, 1, 1);
+    else if (p->act_bf16)
+        shrink(p, xs, a, sc, h, 1, 0);
+    else
+        shrink(p, xs, a, sc, h, 0, 0);
+    expand(p, ys, g, h, bt);
+}
+
+static int seen(const int32_t *done, int n, int32_t s) {
+    for (int i = 0; i < n; i++)
+        if (done[i] == s) return 1;
+    return 0;
+}
+
+/* tokens t0..t1-1, one pass per distinct slot (first occurrences in order): a pass starting
+ * at `start` does every token of its slot, none of which lies before `start`.
+ * scratch: bt [rank*out] + h [GROUP*rank] floats, then the done slots (<= num_slots+1) */
+static void run_range(const Args *p, int64_t t0, int64_t t1, float *scratch) {
+    int64_t r = p->rank, out = p->out_dim, wsz = p->w_bf16 ? 2 : 4;
+    float *bt = scratch, *h = scratch + r * out;
+    int32_t *done = (int32_t *)(h + GROUP * r);
+    int nd = 0;
+    for (int64_t start = t0, next; start < t1; start = next) {
+        int32_t s = p->slots[start];
+        int64_t rows[GROUP];
+        int g = 0;
+        done[nd++] = s;
+        next = t1;
+        Bt bts = {bt, out, 0};
+        if (s >= 0) {
+            const void *b = (const char *)p->b + s * p->b_ss * wsz;
+            if (p->b_so == 1) /* B stored transposed ([S, r, out] memory): used in place */
+                bts = (Bt){b, p->b_sk, p->w_bf16};
+            else
+                for (int64_t o = 0; o < out; o++)
+                    for (int64_t k = 0; k < r; k++)
+                        bt[k * out + o] = load1(b, o * p->b_so + k * p->b_sk, p->w_bf16);
+        }
+        for (int64_t t = start; t < t1; t++) {
+            int32_t st = p->slots[t];
+            if (st != s) {
+                if (next == t1 && !seen(done, nd, st)) next = t;
+            } else if (s >= 0) {
+                rows[g++] = t;
+                if (g == GROUP) run_group(p, s, rows, g, bts, h), g = 0;
+            }
+        }
+        if (g) run_group(p, s, rows, g, bts, h);
+    }
+}
+
+/* Returns 0; -1 (nothing written) when a slot is outside -1..num_slots-1; -2 without
+ * memory for the scratch. `threads` OpenMP threads split the tokens when the work is large. */
+int epd_lora_apply(void *y, int64_t y_stride, const void *x, int64_t x_stride,
+                   const int32_t *slots, int64_t tokens, const void *a, const void *b,
+                   int64_t b_ss, int64_t b_so, int64_t b_sk, const float *scaling,
+                   int64_t num_slots, int64_t rank, int64_t in_dim, int64_t out_dim,
+                   int act_bf16, int w_bf16, int threads) {
+    int64_t active = 0;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < -1 || slots[t] >= num_slots) return -1;
+        active += slots[t] >= 0;
+    }
+    if (!active || !rank) return 0;
+    Args p = {.y = y, .x = x, .a = a, .b = b, .slots = slots, .scaling = scaling,
+              .y_stride = y_stride, .x_stride = x_stride, .tokens = tokens,
+              .num_slots = num_slots, .rank = rank, .in_dim = in_dim, .out_dim = out_dim,
+              .b_ss = b_ss, .b_so = b_so, .b_sk = b_sk, .act_bf16 = act_bf16, .w_bf16 = w_bf16};
+    int64_t work = active * rank * (in_dim + out_dim);
+    int n = work < (1 << 17) ? 1 : threads < 1 ? 1 : threads;
+    if (n > tokens) n = (int)tokens;
+    size_t floats = (size_t)(rank * out_dim + GROUP * rank + num_slots + 1);
+    int failed = 0;
+#pragma omp parallel num_threads(n) if (n > 1) reduction(| : failed)
+    {
+        static _Thread_local float *buf;
+        static _Thread_local size_t cap;
+        int id = 0, nt = 1;
+#ifdef _OPENMP
+        id = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        if (cap < floats) {
+            free(buf);
+            buf = malloc(floats * sizeof(float));
+            cap = buf ? floats : 0;
+        }
+        if (!buf) {
+            failed = 1;
+        } else {
+            int64_t per = (tokens + nt - 1) / nt, t0 = id * per;
+            int64_t t1 = t0 + per < tokens ? t0 + per : tokens;
+            if (t0 < t1) run_range(&p, t0, t1, buf);
+        }
+    }
+    return failed ? -2 : 0;
+}
