@@ -151,7 +151,7 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
         status["lora"] = lora_sync.sync(kube, pool)
         if lora_sync.failing(status["lora"]) and not lora_sync.failing(old_status.get("lora")):
             message = "; ".join(e for v in status["lora"].values() for e in v.get("errors", []))
-            outcome.events.append(("Warning", "LoraSyncFailed", message))
+            outcome.events.append(("Warning", "LoraSyncFailed", message[:1024]))
     elif old_status.get("lora"):
         status["lora"] = None  # a merge patch deletes the section
     outcome.status = status
