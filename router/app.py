@@ -17,6 +17,7 @@ from epdserve.connectors.slow_clients import DEFAULT_BODY_TIMEOUT, BodyReadTimeo
 from epdserve.router.disagg import handle as disagg_handle
 from epdserve.router.guard import ApiKeyCheck, BodyLimit
 from epdserve.router.loadstats import scrape_forever
+from epdserve.router.lora_route import prepare as prepare_adapter
 from epdserve.router.processed import FIELD as PROCESSED
 from epdserve.router.proxy import ProxyError, open_upstream, relay, request_headers
 from epdserve.router.service import Router
@@ -119,6 +120,7 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
         # tokenizing a long prompt or rendering a template must not stall other streams
         routing = await asyncio.to_thread(target.route, path, body)
         try:
+            routing = await prepare_adapter(request.app.state.client, target, routing)
             upstream = await open_upstream(
                 request.app.state.client,
                 target,

@@ -37,6 +37,7 @@ def build(config: RouterConfig):
     replay = c.kv_replay_port or None
     metrics = RouterMetrics()
     root_check = RootHashCheck(metrics)  # one per pool: every role's pods must agree
+    lora_policy = c.adapter_policy()
 
     def new_router(role="colocated", role_strategy=strategy) -> Router:
         return Router(
@@ -50,6 +51,7 @@ def build(config: RouterConfig):
             root_check=root_check,
             engine_role=role,
             event_options=events,
+            lora_policy=lora_policy,
         )
 
     def disagg_routers() -> DisaggRouters:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from epdserve.common.cli_fields import setting
 from epdserve.common.logs import FORMATS, LEVELS
+from epdserve.router.lora import AdapterPolicy, parse_modules
 from epdserve.router.strategy import STRATEGIES
 
 POSITIVE_INTS = ("limit_concurrency", "max_upstream_connections", "max_pod_connections")
@@ -99,6 +100,26 @@ class RouterConfig:
         "requests in flight to one pod; a pod at this count is busy (others are "
         "tried; all busy: 503 with Retry-After)",
     )
+    lora_modules: list[str] = setting(
+        [],
+        "LoRA adapters the router may load on pods (with --dynamic-lora): NAME=PATH, the "
+        "path as the pods see it (repeat; env: space-separated)",
+        repeat=True,
+    )
+    dynamic_lora: bool = setting(
+        False,
+        "load an adapter of --lora-modules that no pod holds on a pod with a free slot, and "
+        "on more pods when its holders are busy (POST /v1/load_lora_adapter; the pods need "
+        "--allow-runtime-lora-updating)",
+    )
+    lora_spread_load: float = setting(
+        4.0,
+        "--dynamic-lora: when every pod holding an adapter has this many requests (in flight "
+        "or queued), it is loaded on a pod with a free slot too",
+    )
+    lora_models_interval: float = setting(
+        5.0, "s between reads of a LoRA pod's /v1/models (its adapters)"
+    )
     api_key: str | None = setting(
         None, "require Authorization: Bearer KEY on every route but /health, /ready, /metrics"
     )
@@ -140,6 +161,20 @@ class RouterConfig:
             raise ValueError("--failure-backoff must be >= 0")
         if self.kv_events_max_message_bytes < 1024:
             raise ValueError("--kv-events-max-message-bytes must be >= 1024")
+        for flag in ("lora_spread_load", "lora_models_interval"):
+            if getattr(self, flag) <= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+        parse_modules(self.lora_modules)
+
+    def adapter_policy(self) -> AdapterPolicy:
+        """The LoRA settings every role's router shares."""
+        return AdapterPolicy(
+            sources=parse_modules(self.lora_modules),
+            dynamic=self.dynamic_lora,
+            spread_load=self.lora_spread_load,
+            list_interval=self.lora_models_interval,
+            api_key=self.api_key or None,
+        )
 
     def strategy_weights(self) -> dict[str, float]:
         """The keyword arguments of ``make_strategy(self.strategy)``."""

@@ -18,6 +18,10 @@ goes, when the pool has those roles:
 3. the request, without images, with the processed prompt known by then and the prefill's
    ``kv_transfer_params`` -> a decode pod, whose answer (or SSE stream) is relayed unchanged.
 
+A request for a LoRA adapter keeps its ``model`` on every leg, and each leg ranks its role's
+pods for that adapter (``lora_route.prepare``: holders first, loading it where the pool
+allows), so the prefill and decode pods both serve the same adapter.
+
 A pod that returns no processed prompt (an older pod) leaves the next legs the request as
 the client sent it. Only pod failures (refused, reset before the headers, 503: see
 ``proxy``) move a leg on: to the next ranked pod, and once a role has none left, past the
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from epdserve.router.lora_route import prepare as prepare_adapter
 from epdserve.router.processed import (
     from_answer,
     has_images,
@@ -53,7 +58,6 @@ from epdserve.router.proxy import (
     NoPodAvailable,
     ProxyError,
     Upstream,
-    UpstreamFailed,
     open_upstream,
     read_all,
     relay,
@@ -123,6 +127,7 @@ async def open_leg(client, router: Router, settings, path: str, body: dict, head
     """Rank ``router``'s pods for ``body`` and open the first that accepts it (or raise a
     ``ProxyError``): the one path of every leg."""
     routing = await asyncio.to_thread(router.route, path, body)
+    routing = await prepare_adapter(client, router, routing)  # both legs: the same adapter
     return await open_upstream(
         client,
         router,
@@ -152,7 +157,7 @@ async def read_leg(
             return None, exc.response()
         router.metrics.client_errors.labels(f"{role}_unavailable").inc()
         return None, None
-    except UpstreamFailed as exc:
+    except ProxyError as exc:  # failed after accepting it; an adapter none has or loads
         router.metrics.client_errors.labels(exc.reason).inc()
         return None, exc.response()
     status = upstream.response.status_code

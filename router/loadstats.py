@@ -8,6 +8,7 @@ import logging
 import httpx
 
 from epdserve.common import metrics_text
+from epdserve.router.lora_route import observe
 from epdserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ async def _scrape(client: httpx.AsyncClient, router: Router, name: str, timeout:
     for field, value in load.items():
         setattr(state, field, value)
     await _set_health(router, state, True)
+    await observe(client, router, state, response.text, timeout)  # its LoRA adapters
 
 
 async def _set_health(router: Router, state, healthy: bool) -> None:

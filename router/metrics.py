@@ -113,6 +113,19 @@ class RouterMetrics:
             "Prompts that could not be tokenized (routed by load)",
             registry=r,
         )
+        self.lora_requests = Counter(
+            P + "lora_requests",
+            "Requests (legs, in a P/D pool) routed to a pod holding or loading the adapter "
+            "they name, by engine role and adapter",
+            ["engine_role", "lora_name"],
+            registry=r,
+        )
+        self.lora_loads = Counter(
+            P + "lora_loads",
+            "Adapter loads the router asked pods for, by adapter and outcome (loaded, failed)",
+            ["lora_name", "outcome"],
+            registry=r,
+        )
         self.scrape_errors = Counter(
             P + "scrape_errors", "Failed pod metric scrapes", ["pod"], registry=r
         )

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from epdserve.router.lora import PodAdapters
+
 
 @dataclass(frozen=True)
 class PodEndpoint:
@@ -75,6 +77,7 @@ class PodState:
     consecutive_failures: int = 0
     scrape_timeouts: int = 0  # /metrics scrapes in a row that timed out (a busy pod)
     scraped_at: float = field(default=0.0)
+    adapters: PodAdapters = field(default_factory=PodAdapters)  # LoRA adapters it holds
 
     @property
     def name(self) -> str:

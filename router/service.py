@@ -11,6 +11,7 @@ import zmq
 
 from epdserve.router.index import PrefixIndex
 from epdserve.router.keys import request_keys
+from epdserve.router.lora import AdapterLoads, AdapterPolicy
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.pending import PendingPrefixes
 from epdserve.router.pods import PodEndpoint, PodState
@@ -31,6 +32,7 @@ class Routing:
     matched: dict[str, int]
     total_blocks: dict[str, int]
     keys: dict[str, list[int]]  # pod -> the prompt's block keys at that pod's block size
+    lora: str | None = None  # the adapter the request names (None: the base model)
 
 
 class Router:
@@ -49,11 +51,14 @@ class Router:
         root_check: RootHashCheck | None = None,
         engine_role: str = "colocated",
         event_options: EventSocketOptions | None = None,
+        lora_policy: AdapterPolicy | None = None,
     ) -> None:
         self.strategy, self.tokenizer = strategy, tokenizer
         self._event_options = event_options  # Curve keys and size bound of event sockets
         self.engine_role = engine_role  # which of the pool's pods this router routes to
         self.served_model_name = served_model_name
+        self.lora_policy = lora_policy or AdapterPolicy()  # adapters: see router/lora.py
+        self.adapter_loads = AdapterLoads(self.lora_policy.retry_s)
         self.index = index or PrefixIndex()
         self.metrics = metrics or RouterMetrics()
         # shared by every role's router of a pool: prefill and decode pods must agree
@@ -197,7 +202,8 @@ class Router:
         start = time.perf_counter()
         pods = self.available()
         ids = self.prompt_ids(path, body) if pods else None
-        matched, totals, keys, loadable = self._match(pods, ids, self._lora(body), _salt(body))
+        lora = self._lora(body)
+        matched, totals, keys, loadable = self._match(pods, ids, lora, _salt(body))
         affinity = image_affinity(body, [p.name for p in pods]) if self.strategy.uses_images else {}
         candidates = [
             Candidate(
@@ -214,13 +220,18 @@ class Router:
         ]
         order = self.strategy.rank(candidates)
         self.metrics.decision_latency.observe(time.perf_counter() - start)
-        return Routing(order, matched, totals, keys)
+        return Routing(order, matched, totals, keys, lora)
 
     def _lora(self, body: dict) -> str | None:
+        """The adapter ``body`` names: any model but the served one, or without a served
+        name, one the router may load or a pod lists."""
         model = body.get("model")
-        if self.served_model_name and isinstance(model, str) and model != self.served_model_name:
-            return model
-        return None
+        if not isinstance(model, str) or not model:
+            return None
+        if self.served_model_name:
+            return model if model != self.served_model_name else None
+        known = model in self.lora_policy.sources
+        return model if known or any(p.adapters.holds(model) for p in self.pods()) else None
 
     def _match(
         self, pods: list[PodState], ids: list[int] | None, lora: str | None, salt: str | None
