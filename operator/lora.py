@@ -12,6 +12,8 @@ ConfigMap (outside the config hash), so a pod that (re)starts reads the current 
 change alone rolls nothing; the operator loads and unloads the difference on running pods
 (``lora_sync``). Changes that need new files in the pod — a new Hub adapter (init container)
 or a PVC not mounted yet (volume) — change the pod template and roll the pods either way.
+The router pods always carry the list in their command, so a change rolls them (not the
+engines): a router then never loads an adapter the spec dropped.
 """
 
 from __future__ import annotations
@@ -198,10 +200,9 @@ def engine_args(lora: LoraSpec | None, role: str, model_claim: str | None) -> li
     return args
 
 
-def list_env(lora: LoraSpec | None, config_map: str, role: str | None = None) -> list[dict]:
-    """EPDSERVE_LORA_MODULES from the ConfigMap: how a dynamic pool's pods get the list
-    (`role` None: the router)."""
-    if lora is None or not lora.dynamic or (role is not None and not serves(lora, role)):
+def list_env(lora: LoraSpec | None, config_map: str, role: str) -> list[dict]:
+    """EPDSERVE_LORA_MODULES from the ConfigMap: how a dynamic pool's engine pods get the list."""
+    if not serves(lora, role) or not lora.dynamic:
         return []
     ref = {"configMapKeyRef": {"name": config_map, "key": CONFIG_KEY}}
     return [{"name": "EPDSERVE_LORA_MODULES", "valueFrom": ref}]
@@ -249,13 +250,13 @@ def init_containers(lora: LoraSpec | None, role: str, image: str, pull_policy: s
 
 
 def router_args(lora: LoraSpec | None, model_claim: str | None) -> list[str]:
-    """Router flags: the list (static pools) or the dynamic switch (the list then comes as
-    EPDSERVE_LORA_MODULES from the ConfigMap, and the router reads the pods' /v1/models)."""
+    """Router flags: the list (name -> path on the pods) and, for a dynamic pool, the switch
+    that lets the router load a listed adapter where no pod holds it. The list is in the
+    router's command even for a dynamic pool, so a change rolls the router pods (they read it
+    at start) and a router never loads an adapter the spec dropped; engine pods do not roll."""
     if lora is None:
         return []
-    if lora.dynamic:
-        return ["--dynamic-lora"]
-    args = []
+    args = ["--dynamic-lora"] if lora.dynamic else []
     for item in modules(lora, model_claim):
         args += ["--lora-modules", item]
     return args

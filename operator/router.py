@@ -120,8 +120,7 @@ def build_router_deployment(pool: PoolSpec) -> dict:
             {"name": "HOME", "value": "/tmp"},
             {"name": "HF_HOME", "value": source.HF_HOME},
         ]
-        + api_key_env(pool)
-        + lora.list_env(pool.lora, meta.name_of(pool, "config")),
+        + api_key_env(pool),
         "ports": [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}],
         "resources": dict(router.resources),
         "volumeMounts": [

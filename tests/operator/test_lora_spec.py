@@ -204,22 +204,19 @@ def test_encoder_pods_get_no_lora_flags_volumes_or_downloads():
         assert "--enable-lora" in engine_container(body, role)["command"]
 
 
-def test_the_router_gets_the_list_or_the_dynamic_switch():
-    static = router.router_command(parse_pool(lora_body([PATH, PVC])))
-    assert static[-4:] == [
+def test_the_router_gets_the_list_and_for_a_dynamic_pool_the_switch():
+    items = [
         "--lora-modules",
         "sql=/opt/adapters/sql",
         "--lora-modules",
         "chat-de=/lora-pvc/adapters/de/v2",
     ]
-    dynamic = router.build_router_deployment(parse_pool(lora_body([PATH], dynamic=True)))
-    container = dynamic["spec"]["template"]["spec"]["containers"][0]
-    assert (
-        container["command"][-1] == "--dynamic-lora"
-        and "--lora-modules" not in container["command"]
-    )
-    assert "EPDSERVE_LORA_MODULES" in {e["name"] for e in container["env"]}
+    static = router.router_command(parse_pool(lora_body([PATH, PVC])))
+    assert static[-4:] == items and "--dynamic-lora" not in static
+    dynamic = router.router_command(parse_pool(lora_body([PATH, PVC], dynamic=True)))
+    assert dynamic[-5:] == ["--dynamic-lora", *items]
     assert "--dynamic-lora" not in router.router_command(parse_pool(pool_body()))
+    assert "--lora-modules" not in router.router_command(parse_pool(pool_body()))
 
 
 def _deployments(body: dict) -> dict:
@@ -230,11 +227,14 @@ def _deployments(body: dict) -> dict:
     }
 
 
-def test_a_dynamic_pool_changing_path_or_mounted_pvc_adapters_keeps_every_deployment():
+def test_a_dynamic_pool_changing_path_or_mounted_pvc_adapters_rolls_only_the_router():
     before = _deployments(lora_body([PATH, PVC], dynamic=True))
     renamed = {**PVC, "name": "chat-fr", "source": {"pvc": {"claimName": "adapters", "path": "fr"}}}
     after = _deployments(lora_body([renamed, {**PATH, "name": "sql2"}], dynamic=True))
-    assert after == before
+    assert after["lp-colocated"] == before["lp-colocated"]
+    router_template = after["lp-router"]["spec"]["template"]
+    assert router_template != before["lp-router"]["spec"]["template"]
+    assert "chat-fr=/lora-pvc/adapters/fr" in router_template["spec"]["containers"][0]["command"]
 
 
 def test_a_dynamic_pool_rolls_for_a_new_hub_adapter_and_a_static_pool_for_any_change():
