@@ -71,24 +71,31 @@ typedef struct {
     int act_bf16, w_bf16;
 } Args;
 
-/* h[j][k] = scaling * (x_j . a_k) for GROUP rows (pointers may repeat) and k < rank */
-static inline __attribute__((always_inline)) void shrink(const Args *p, const void **xs,
+/* h[j][k] = scaling * (x_j . a_k) for GROUP float32 rows (pointers may repeat) and
+ * k < rank, two rows of A per sweep over x (an odd rank does its last row twice) */
+static inline __attribute__((always_inline)) void shrink(const Args *p, const float **xs,
                                                          const void *a, float sc, float *h,
-                                                         int xb, int wb) {
-    int64_t in = p->in_dim, vec = in & ~(int64_t)15;
-    for (int64_t k = 0; k < p->rank; k++) {
-        const void *ak = wb ? (const void *)((const uint16_t *)a + k * in)
-                            : (const void *)((const float *)a + k * in);
-        v16f acc[GROUP] = {{0}};
+                                                         int wb) {
+    int64_t in = p->in_dim, r = p->rank, vec = in & ~(int64_t)15;
+    for (int64_t k0 = 0; k0 < r; k0 += 2) {
+        int64_t ks[2] = {k0, k0 + 1 < r ? k0 + 1 : k0};
+        v16f acc[2][GROUP] = {{{0}}};
         for (int64_t i = 0; i < vec; i += 16) {
-            v16f w = load16(ak, i, wb);
-            for (int j = 0; j < GROUP; j++) acc[j] = fma16(load16(xs[j], i, xb), w, acc[j]);
+            v16f w0 = load16(a, ks[0] * in + i, wb), w1 = load16(a, ks[1] * in + i, wb);
+            for (int j = 0; j < GROUP; j++) {
+                v16f xv;
+                memcpy(&xv, xs[j] + i, 64);
+                acc[0][j] = fma16(xv, w0, acc[0][j]);
+                acc[1][j] = fma16(xv, w1, acc[1][j]);
+            }
         }
-        for (int j = 0; j < GROUP; j++) {
-            float tail = 0.0f;
-            for (int64_t i = vec; i < in; i++) tail += load1(xs[j], i, xb) * load1(ak, i, wb);
-            h[j * p->rank + k] = (hsum16(acc[j]) + tail) * sc;
-        }
+        for (int c = 0; c < 2; c++)
+            for (int j = 0; j < GROUP; j++) {
+                float tail = 0.0f;
+                for (int64_t i = vec; i < in; i++)
+                    tail = __builtin_fmaf(xs[j][i], load1(a, ks[c] * in + i, wb), tail);
+                h[j * r + ks[c]] = (hsum16(acc[c][j]) + tail) * sc;
+            }
     }
 }
 
@@ -127,24 +134,33 @@ static void expand(const Args *p, void **ys, int g, const float *h, Bt bt) {
         expand_t(p, ys, g, h, bt, 0);
 }
 
-static void run_group(const Args *p, int64_t s, const int64_t *rows, int g, Bt bt, float *h) {
-    const void *xs[GROUP];
+/* rows[0..g-1] of slot s (g <= GROUP); xf: GROUP * in floats for bfloat16 rows widened */
+static void run_group(const Args *p, int64_t s, const int64_t *rows, int g, Bt bt, float *h,
+                      float *xf) {
+    const float *xs[GROUP];
     void *ys[GROUP];
-    int64_t xsz = p->act_bf16 ? 2 : 4;
+    int64_t in = p->in_dim, asz = p->act_bf16 ? 2 : 4;
     for (int j = 0; j < GROUP; j++) {
-        int64_t t = rows[j < g ? j : g - 1]; /* padding rows repeat the last: computed, unused */
-        xs[j] = (const char *)p->x + t * p->x_stride * xsz;
-        ys[j] = (char *)p->y + t * p->y_stride * xsz;
+        if (j >= g) { /* padding rows repeat the last: computed, never stored */
+            xs[j] = xs[g - 1], ys[j] = ys[g - 1];
+            continue;
+        }
+        const char *row = (const char *)p->x + rows[j] * p->x_stride * asz;
+        ys[j] = (char *)p->y + rows[j] * p->y_stride * asz;
+        if (p->act_bf16) {
+            float *dst = xf + j * in;
+            for (int64_t i = 0; i < in; i++) dst[i] = load1(row, i, 1);
+            xs[j] = dst;
+        } else {
+            xs[j] = (const float *)row;
+        }
     }
     int64_t wsz = p->w_bf16 ? 2 : 4;
-    const void *a = (const char *)p->a + s * p->rank * p->in_dim * wsz;
-    float sc = p->scaling[s];
-    if (p->act_bf16 && p->w_bf16)
-        shrink(p, xs, a, sc, h, 1, 1);
-    else if (p->act_bf16)
-        shrink(p, xs, a, sc, h, 1, 0);
+    const void *a = (const char *)p->a + s * p->rank * in * wsz;
+    if (p->w_bf16)
+        shrink(p, xs, a, p->scaling[s], h, 1);
     else
-        shrink(p, xs, a, sc, h, 0, 0);
+        shrink(p, xs, a, p->scaling[s], h, 0);
     expand(p, ys, g, h, bt);
 }
 
@@ -156,11 +172,12 @@ static int seen(const int32_t *done, int n, int32_t s) {
 
 /* tokens t0..t1-1, one pass per distinct slot (first occurrences in order): a pass starting
  * at `start` does every token of its slot, none of which lies before `start`.
- * scratch: bt [rank*out] + h [GROUP*rank] floats, then the done slots (<= num_slots+1) */
+ * scratch: bt [rank*out], h [GROUP*rank], xf [GROUP*in] floats, then the done slots
+ * (<= num_slots+1 ints) */
 static void run_range(const Args *p, int64_t t0, int64_t t1, float *scratch) {
     int64_t r = p->rank, out = p->out_dim, wsz = p->w_bf16 ? 2 : 4;
-    float *bt = scratch, *h = scratch + r * out;
-    int32_t *done = (int32_t *)(h + GROUP * r);
+    float *bt = scratch, *h = scratch + r * out, *xf = h + GROUP * r;
+    int32_t *done = (int32_t *)(xf + GROUP * p->in_dim);
     int nd = 0;
     for (int64_t start = t0, next; start < t1; start = next) {
         int32_t s = p->slots[start];
@@ -184,10 +201,10 @@ static void run_range(const Args *p, int64_t t0, int64_t t1, float *scratch) {
                 if (next == t1 && !seen(done, nd, st)) next = t;
             } else if (s >= 0) {
                 rows[g++] = t;
-                if (g == GROUP) run_group(p, s, rows, g, bts, h), g = 0;
+                if (g == GROUP) run_group(p, s, rows, g, bts, h, xf), g = 0;
             }
         }
-        if (g) run_group(p, s, rows, g, bts, h);
+        if (g) run_group(p, s, rows, g, bts, h, xf);
     }
 }
 
@@ -209,9 +226,9 @@ int epd_lora_apply(void *y, int64_t y_stride, const void *x, int64_t x_stride,
               .num_slots = num_slots, .rank = rank, .in_dim = in_dim, .out_dim = out_dim,
               .b_ss = b_ss, .b_so = b_so, .b_sk = b_sk, .act_bf16 = act_bf16, .w_bf16 = w_bf16};
     int64_t work = active * rank * (in_dim + out_dim);
-    int n = work < (1 << 17) ? 1 : threads < 1 ? 1 : threads;
+    int n = work < (1 << 20) ? 1 : threads < 1 ? 1 : threads;
     if (n > tokens) n = (int)tokens;
-    size_t floats = (size_t)(rank * out_dim + GROUP * rank + num_slots + 1);
+    size_t floats = (size_t)(rank * out_dim + GROUP * (rank + in_dim) + num_slots + 1);
     int failed = 0;
 #pragma omp parallel num_threads(n) if (n > 1) reduction(| : failed)
     {

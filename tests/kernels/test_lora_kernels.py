@@ -135,8 +135,9 @@ def test_c_kernel_takes_float32_weights_with_bfloat16_activations():
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_kernel_matches_twin_on_a_threaded_batch(dtype):
-    slots = [(t // 9) % 4 - 1 for t in range(70)] + [3, 0, 3, 1]  # runs, plus stragglers
-    run_against_twin(lora_apply_native, slots, 256, 192, dtype, num_slots=4, r_max=16,
+    # runs, plus stragglers; > 2**20 multiply-adds, so the kernel splits the tokens
+    slots = [(t // 9) % 4 - 1 for t in range(200)] + [3, 0, 3, 1]
+    run_against_twin(lora_apply_native, slots, 256, 256, dtype, num_slots=4, r_max=16,
                      ranks=(16, 8))  # fmt: skip
 
 
