@@ -6,11 +6,19 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's prompts are tens of tokens long: it runs engines with 16-token KV blocks so that
+# prefix caching, preemption and block accounting show at those lengths. The cpu default
+# (128, measured) is tested by itself: tests/serving/test_default_block_size.py.
+os.environ.setdefault("EPDSERVE_BLOCK_SIZE", "16")
 
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
+
+import epdserve.engine.config as _engine_config  # noqa: E402
+
+_engine_config.CPU_BLOCK_SIZE = 16  # in-process engines (LLM), as the variable above
 
 
 class ModelStore:

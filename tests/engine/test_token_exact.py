@@ -96,3 +96,25 @@ def test_second_batch_reports_the_shared_prefix_as_cached(models):
     assert [o.num_cached_tokens for o in outs] == [64] * 4
     assert llm.engine.kv.prefix_hits >= 4 * 64
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_cpu_default_128_token_blocks_are_token_exact(models, hf_reference, backend):
+    """The cpu default block (128 tokens) in fp32: prompts over a 300-token shared prefix,
+    first cold, then from the prefix cache (two whole blocks hit), then in 64-token chunks."""
+    if backend == "native" and not native.available():
+        pytest.skip("no C compiler")
+    path = models.get("llama")
+    prompts = [p[:40] for p in make_prompts(4, seed=3, shared_prefix=0)]
+    shared = make_prompts(2, seed=4, shared_prefix=300)[1][:300]
+    prompts = [shared + p for p in prompts]
+    expected = hf_reference.greedy(path, prompts)
+    for overrides in (dict(enable_prefix_caching=True), dict(max_num_batched_tokens=64)):
+        llm = LLM(model=str(path), dtype="float32", max_model_len=512, block_size=128,
+                  attention_backend=backend, **overrides)  # fmt: skip
+        for _ in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+            assert [o.outputs[0].token_ids for o in outs] == expected, overrides
+        if overrides.get("enable_prefix_caching"):
+            assert all(o.num_cached_tokens >= 256 for o in outs)
+        assert_no_leak(llm)
