@@ -24,7 +24,8 @@ ROUTER_DEFAULTS = {
     "max_attempts": 3, "failure_backoff": 2.0, "max_body_bytes": 32 << 20,
     "limit_concurrency": 4096, "timeout_keep_alive": 5.0, "header_read_timeout": 10.0,
     "body_read_timeout": 60.0, "max_upstream_connections": 4096, "max_pod_connections": 1024,
-    "api_key": None, "log_level": "info", "log_format": "text", "access_log": False,
+    "lora_modules": [], "dynamic_lora": False, "lora_spread_load": 4.0,
+    "lora_models_interval": 5.0, "api_key": None, "log_level": "info", "log_format": "text", "access_log": False,
 }  # fmt: skip
 POD = ["--endpoint", "http://127.0.0.1:1"]
 
