@@ -18,6 +18,7 @@ PUBLIC_API: dict[str, dict[str, str]] = {
         "SamplingParams": "epdserve.engine.sampling_params",
         "RequestOutput": "epdserve.engine.outputs.request_output",
         "CompletionOutput": "epdserve.engine.outputs.request_output",
+        "LoRARequest": "epdserve.engine.lora.request",
     },
     "kernels": {  # the backend registry, and each op's torch twin and Triton launcher
         **dict.fromkeys(

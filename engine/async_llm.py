@@ -177,6 +177,7 @@ class AsyncLLM:
         kv_transfer_params: dict | None = None,
         cache_salt: str | None = None,
         label: str | None = None,
+        lora_request=None,  # epdserve.engine.lora.LoRARequest: its adapter
     ) -> AsyncIterator[StreamOutput]:
         """Stream a request's outputs; cancelling the iteration aborts the request.
         ``request_id`` must be the server's own (unique); ``label`` is the client's
@@ -203,6 +204,7 @@ class AsyncLLM:
                 self.pixels.features(prompt.items),  # no await between this and the send
                 cache_salt,
                 label,
+                lora_request,
             )
             frame = self._encode.encode(req)
             await self.input.send_multipart([self.core_identity, ADD, frame])

@@ -76,6 +76,24 @@ class EngineConfig:
         "attention kernels; default: triton on cuda, native (C decode) or torch on cpu",
         choices=BACKENDS,
     )
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT directories) over the model")
+    lora_modules: list[str] = setting(
+        [],
+        "an adapter served from the start: name=path or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (repeat the flag; the '
+        "variable takes space-separated name=path items)",
+        repeat=True,
+    )
+    max_loras: int = setting(1, "adapters on device slots at once (one batch mixes up to this)")
+    max_lora_rank: int = setting(16, "highest adapter rank accepted (slots are this wide)")
+    max_cpu_loras: int | None = setting(
+        None, "adapters kept read in host memory (default: --max-loras)"
+    )
+    allow_runtime_lora_updating: bool = setting(
+        False,
+        "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns this on)",
+    )
     # the checkpoint's content digest, read once at start (kv_transfer/setup.resolve_identity)
     model_digest: str | None = None
 
@@ -115,6 +133,9 @@ class EngineConfig:
 
             check_backend(self.attention_backend, self.device)
         self._check_role()
+        from epdserve.engine.lora.settings import check_lora_settings
+
+        check_lora_settings(self)
 
     def _parse_text(self) -> None:
         """The settings given as JSON text (a flag, a variable) or a dict, typed: the edge."""

@@ -15,6 +15,9 @@ from epdserve.engine.core.interfaces import MMFeature
 from epdserve.engine.inputs.images import LoadedImage, load_image_url
 from epdserve.engine.inputs.processor import InputProcessor
 from epdserve.engine.inputs.prompt import ProcessedPrompt
+from epdserve.engine.lora.peft_files import inspect_adapter
+from epdserve.engine.lora.registry import LoRARegistry
+from epdserve.engine.lora.request import LoRARequest
 from epdserve.engine.outputs.output_processor import RequestState, fan_out
 from epdserve.engine.outputs.request_output import CompletionOutput, Logprob, RequestOutput
 from epdserve.engine.sampling_params import SamplingParams
@@ -33,20 +36,34 @@ class LLM:
         )
         self.tokenizer = self.inputs.tok
         self._ids = itertools.count()
+        self.loras = None  # the --lora-modules adapters, by name
+        if self.config.enable_lora:
+            self.loras = LoRARegistry(self.config.model, self.config.max_lora_rank, str(model))
+            self.loras.add_modules(self.config.lora_modules)
+        self._checked_loras: set[tuple[int, str]] = set()
 
     def generate(
         self,
         prompts,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request=None,
     ) -> list[RequestOutput]:
+        """``lora_request``: a ``LoRARequest`` (or a ``--lora-modules`` name) for every
+        prompt, or a list of them (None entries: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params: the list must have one entry per prompt")
-        states = [self._add(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request: the list must have one entry per prompt")
+        loras = [self._lora(x) for x in loras]
+        states = [
+            self._add(p, sp, lr) for p, sp, lr in zip(prompts, params_list, loras, strict=True)
+        ]
         by_child = {cid: state for state, _ in states for cid in state.seqs}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -61,12 +78,29 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
         mm_processor_kwargs: dict | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """One conversation (or a list of them) of OpenAI-style messages; images allowed.
         ``mm_processor_kwargs`` overrides the engine's image-processor options."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self._chat_prompt(c, mm_processor_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def _lora(self, lora: LoRARequest | str | None) -> LoRARequest | None:
+        """An adapter checked against the model once (``ValueError`` naming the problem)."""
+        if lora is None:
+            return None
+        if not self.config.enable_lora:
+            raise ValueError("lora_request: LoRA is off for this engine (enable_lora=True)")
+        if isinstance(lora, str):
+            found = self.loras.get(lora)
+            if found is None:
+                raise ValueError(f"lora_request: no adapter named {lora!r} in lora_modules")
+            return found
+        if (lora.lora_int_id, lora.lora_path) not in self._checked_loras:
+            inspect_adapter(lora.lora_path, self.loras.model_cfg, self.config.max_lora_rank)
+            self._checked_loras.add((lora.lora_int_id, lora.lora_path))
+        return lora
 
     def _chat_prompt(self, conversation: list[dict], processor_kwargs) -> ProcessedPrompt:
         """OpenAI-style messages (``image_url`` parts, or ``image`` parts holding PIL
@@ -110,7 +144,9 @@ class LLM:
             return processed
         return self.inputs.completion(prompt["prompt"])
 
-    def _add(self, prompt, params: SamplingParams) -> tuple[RequestState, ProcessedPrompt]:
+    def _add(
+        self, prompt, params: SamplingParams, lora: LoRARequest | None = None
+    ) -> tuple[RequestState, ProcessedPrompt]:
         processed = self._prompt(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
@@ -129,6 +165,7 @@ class LLM:
                     child_params,
                     mm_features=features,
                     cache_salt=cache_salt,
+                    lora_request=lora,
                 )
             )
         return state, processed

@@ -127,8 +127,11 @@ def build_config(arch: str, preset: str, token_ids: dict[str, int]):
     return cfg
 
 
-def make_model(arch: str, out: str | Path, seed: int = 0, preset: str = "tiny") -> Path:
-    """Write the checkpoint to ``out`` and return its path."""
+def make_model(
+    arch: str, out: str | Path, seed: int = 0, preset: str = "tiny", lora: int = 0
+) -> Path:
+    """Write the checkpoint to ``out`` and return its path; ``lora`` random PEFT adapters go
+    to ``out/loras/lora{i}`` (engine/lora/random_adapters.py)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
@@ -161,6 +164,10 @@ def make_model(arch: str, out: str | Path, seed: int = 0, preset: str = "tiny") 
     model.save_pretrained(str(out))
     if image:
         _save_processor(out, hf_tok, config)
+    if lora:
+        from epdserve.engine.lora.random_adapters import write_random_adapters
+
+        write_random_adapters(out, lora, seed)
     return out
 
 
@@ -194,10 +201,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="N", help="also write N random PEFT adapters"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    path = make_model(args.arch, args.out, seed=args.seed, preset=args.preset)
+    if args.lora < 0:
+        raise SystemExit("make-model: --lora must be at least 0")
+    path = make_model(args.arch, args.out, seed=args.seed, preset=args.preset, lora=args.lora)
     config = json.loads((path / "config.json").read_text())
     print(
         json.dumps(
@@ -206,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
                 "arch": args.arch,
                 "preset": args.preset,
                 "architectures": config.get("architectures"),
+                "loras": sorted(str(p) for p in (path / "loras").glob("*")) if args.lora else [],
             }
         )
     )

@@ -186,6 +186,7 @@ class EngineMetrics:
             "Bytes of requests sent from the API process to the engine core over ZeroMQ.",
         )
         self._last = SchedulerStats()
+        self.lora = None  # epdserve.engine.lora.metrics.LoRAMetrics when LoRA is on
 
     def _add_multimodal(self, c) -> None:
         self.encoder_cache_queries = c(
@@ -229,6 +230,8 @@ class EngineMetrics:
             grew = n - last.kv_events.get(event, 0)
             if grew > 0:
                 self.kv_events.labels(**self.labels, event=event).inc(grew)
+        if self.lora is not None:
+            self.lora.on_stats(stats)
         self._last = stats
 
     def _count_rejections(self, now: dict, then: dict) -> None:

@@ -140,6 +140,8 @@ class CoreLoop:
             stats.encoder_loads,
             stats.failed_steps,
             stats.kv_save_failures,
+            tuple(stats.running_loras),
+            tuple(stats.waiting_loras),
         )
 
     def _send(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None = None) -> None:

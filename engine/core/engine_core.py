@@ -25,6 +25,8 @@ from epdserve.engine.kv_transfer.setup import (
     resolve_identity,
     store_rejections,
 )
+from epdserve.engine.lora import core_side as lora_core
+from epdserve.engine.lora.request import LoRARequest
 from epdserve.engine.malloc import tune_heap
 from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.sampling_params import SamplingParams
@@ -47,6 +49,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     mm_features: list[MMFeature] = []
     cache_salt: str | None = None  # tenant isolation: folded into the first block's hash
     label: str | None = None  # the client's X-Request-Id: logs and test fault injection only
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 class EngineCore:
@@ -94,6 +97,7 @@ class EngineCore:
                 budget_tokens=budget,
                 ec_connector=self.ec_connector,
             )
+        self.lora = lora_core.make_manager(config, self.model)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -101,6 +105,7 @@ class EngineCore:
             self.max_model_len,
             coordinator,
             encoder,
+            self.lora,
         )
         self.runner = ModelRunner(
             self.model,
@@ -112,6 +117,7 @@ class EngineCore:
             self.vision_encoder,
             self.ec_connector,
             self.kv_spec,
+            self.lora,
         )
         hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
         self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
@@ -170,6 +176,7 @@ class EngineCore:
         )
         if req.request_id in self.scheduler.requests:  # before hashing a prompt for nothing
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        lora_core.check_request(self.lora, req.lora_request)
         request = Request(
             req.request_id,
             req.prompt_token_ids,
@@ -180,6 +187,7 @@ class EngineCore:
             self._kv_transfer_params(req.kv_transfer_params),
             self._mm_features(req),
             req.cache_salt,
+            req.lora_request,
         )
         request.label = req.label
         self.scheduler.add_request(request)
@@ -231,6 +239,7 @@ class EngineCore:
         if not sched.total_num_scheduled_tokens:
             time.sleep(IDLE_POLL_S)  # only connector work in flight: poll, don't spin
         outputs = self.scheduler.update_from_output(sched, result)
+        outputs += lora_core.take_failures(self.scheduler) if self.lora else []
         for req_id, exc in self.scheduler.update_failures:
             log.error("updating request %s failed", req_id, exc_info=exc)
             outputs += self.guard.fail(self.scheduler, [req_id], f"{type(exc).__name__}: {exc}")
@@ -242,6 +251,8 @@ class EngineCore:
             connector.close()
         if self.ec_connector is not None:
             self.ec_connector.close()
+        if self.lora is not None:
+            self.lora.close()
 
     def take_events(self) -> list:
         """This step's KV events: the pod's own cache, then blocks its KV connector saved to
@@ -277,4 +288,6 @@ class EngineCore:
             stats.kv_load_failures = s.kv_transfer.load_failures
         stats.store_rejections = store_rejections(self.kv_connectors, self.ec_connector)
         stats.model_cpu_seconds = self.model_cpu_seconds
+        if self.lora is not None:
+            stats.running_loras, stats.waiting_loras = s.adapter_names()
         return stats

@@ -48,6 +48,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     num_prompt_tokens: int
     mm_features: list[MMFeature] = []
+    lora_slot: int = -1  # the adapter's device slot (-1: the base model)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -128,6 +129,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # CPU seconds of this process (every thread) while the model ran: what the pod spends
     # outside the model is its processes' CPU time minus this
     model_cpu_seconds: float = 0.0
+    # adapters of the running and the waiting requests, sorted (vllm:lora_requests_info)
+    running_loras: list[str] = []
+    waiting_loras: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -145,6 +145,7 @@ class KVCacheManager:
         if num_full > num_cached:
             extra_keys = request.block_extra_keys(num_cached, num_full)
             router_keys = self._router_keys(request, num_cached, num_full)
+            lora = request.lora and (request.lora.lora_int_id, request.lora.lora_name)
             for g, group_blocks in enumerate(blocks):
                 self.pool.cache_full_blocks(
                     group_blocks,
@@ -156,6 +157,7 @@ class KVCacheManager:
                     extra_keys,
                     group_idx=g,
                     router_keys=router_keys,
+                    lora=lora,
                 )
             self.num_cached_blocks[request.request_id] = num_full
 
@@ -169,7 +171,9 @@ class KVCacheManager:
         if request.mm_spans:
             end = min(end, min(start for start, _, _ in request.mm_spans) // self.block_size)
         keys = self.salted_keys.setdefault(request.request_id, [])
-        extend_keys(keys, request.all_token_ids, self.block_size, end, None, request.cache_salt)
+        extend_keys(
+            keys, request.all_token_ids, self.block_size, end, request.lora_name, request.cache_salt
+        )
         return keys[num_cached:end]
 
     def forget_uncomputed(self, request: Request, num_computed: int) -> None:

@@ -6,6 +6,7 @@ import enum
 import time
 
 from epdserve.engine.core.hashing import BlockHash, BlockHasher
+from epdserve.engine.lora.request import LoRARequest
 from epdserve.engine.sampling_params import SamplingParams
 
 
@@ -40,6 +41,7 @@ class Request:
         kv_transfer_params: dict | None = None,
         mm_features: list | None = None,
         cache_salt: str | None = None,
+        lora: LoRARequest | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -60,9 +62,11 @@ class Request:
         self.mm_features = list(mm_features or [])
         self.mm_spans = tuple((f.offset, f.end, f.identifier) for f in self.mm_features)
         self.cache_salt = cache_salt or None  # a tenant's: its blocks share with no other salt
+        self.lora = lora  # its adapter (None: the base model)
+        self.lora_name = lora.lora_name if lora is not None else None
         self._hasher = hasher
         if hasher is not None:
-            hasher.extend(self.block_hashes, self.all_token_ids, self.mm_spans, self.cache_salt)
+            self._extend_hashes()
         # prompt logprobs need every prompt position computed here, never read from cache
         self.skip_prefix_cache = params.prompt_logprobs is not None
         self.kv_transfer_params = kv_transfer_params  # P/D hand-over (vLLM's field)
@@ -83,16 +87,24 @@ class Request:
         if hasher is not None and len(self.all_token_ids) // hasher.block_size > len(
             self.block_hashes
         ):  # a block just filled up
-            hasher.extend(self.block_hashes, self.all_token_ids, self.mm_spans, self.cache_salt)
+            self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        self._hasher.extend(
+            self.block_hashes, self.all_token_ids, self.mm_spans, self.cache_salt, self.lora_name
+        )
 
     def block_extra_keys(self, start: int, end: int) -> list | None:
         """The hash extra keys of blocks ``start..end-1`` (what their KV events carry);
         None when no block of this request has any."""
         hasher = self._hasher
-        if hasher is None or not (self.mm_spans or self.cache_salt or hasher.extra_keys):
+        if hasher is None or not (
+            self.mm_spans or self.cache_salt or self.lora_name or hasher.extra_keys
+        ):
             return None
         return [
-            hasher.block_extra_keys(i, self.mm_spans, self.cache_salt) for i in range(start, end)
+            hasher.block_extra_keys(i, self.mm_spans, self.cache_salt, self.lora_name)
+            for i in range(start, end)
         ]
 
     @property

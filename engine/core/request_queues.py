@@ -19,6 +19,7 @@ from epdserve.engine.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
+    from epdserve.engine.lora.manager import LoRAManager
 
 
 class UndoneSchedule(NamedTuple):
@@ -36,8 +37,11 @@ class RequestQueues:
         kv_cache_manager: KVCacheManager,
         kv_transfer: KVTransferCoordinator | None = None,
         encoder: EncoderScheduler | None = None,
+        lora: LoRAManager | None = None,
     ):
         self.kv = kv_cache_manager
+        self.lora = lora  # adapters' device slots, when LoRA is on
+        self.lora_failures: list[tuple[str, Exception]] = []  # adapters that failed to load
         self.kv_transfer = kv_transfer  # a KV connector's scheduler side, if any
         self.encoder = encoder  # multimodal models: encoder inputs and their cache
         self.requests: dict[str, Request] = {}
@@ -59,6 +63,23 @@ class RequestQueues:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def lora_ready(self, request: Request) -> bool:
+        """Whether a waiting request's adapter is on a device slot, placing it now if its
+        weights are read and a slot is free or held by no running request. An adapter that
+        failed to load fails the request (``lora_failures``, for the core to answer)."""
+        busy = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        try:
+            return self.lora.acquire(request.lora, busy)
+        except ValueError as exc:
+            self.lora_failures.append((request.request_id, exc))
+            return False
+
+    def adapter_names(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting requests, sorted (for metrics)."""
+        running = {r.lora_name for r in self.running if r.lora_name}
+        waiting = {r.lora_name for r in self.waiting if r.lora_name}
+        return sorted(running), sorted(waiting)
 
     def label_of(self, request_id: str) -> str | None:
         """The client's label of a live request (``X-Request-Id``): logs and tests only."""

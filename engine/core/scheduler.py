@@ -28,6 +28,7 @@ from epdserve.engine.kv_transfer.coordinator import LoadStart
 
 if TYPE_CHECKING:
     from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
+    from epdserve.engine.lora.manager import LoRAManager
 
 
 class Scheduler(RequestQueues):
@@ -41,8 +42,9 @@ class Scheduler(RequestQueues):
         max_model_len: int,
         kv_transfer: KVTransferCoordinator | None = None,
         encoder: EncoderScheduler | None = None,
+        lora: LoRAManager | None = None,
     ):
-        super().__init__(kv_cache_manager, kv_transfer, encoder)
+        super().__init__(kv_cache_manager, kv_transfer, encoder, lora)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -106,7 +108,7 @@ class Scheduler(RequestQueues):
             budget -= n
             i += 1
 
-        skipped: list[Request] = []  # their store lookups are still in flight
+        skipped: list[Request] = []  # their store lookups (or adapters) are still in flight
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -116,6 +118,9 @@ class Scheduler(RequestQueues):
             self.scheduling = request
             if faults:
                 maybe_fail("schedule", (request.request_id,), self.label_of)
+            if request.lora is not None and not self.lora_ready(request):
+                skipped.append(self.waiting.popleft())  # its adapter is loading or slots busy
+                continue
             admitted = self._admit(request, budget)
             if admitted is LoadStart.NO_ROOM and self._unpin(request):
                 admitted = self._admit(request, budget)
@@ -194,6 +199,7 @@ class Scheduler(RequestQueues):
                 r.num_computed_tokens,
                 r.num_prompt_tokens,
                 r.mm_features,
+                self.lora.slot_of(r.lora) if self.lora is not None else -1,
             )
             for r in new_reqs
         ]

@@ -6,12 +6,14 @@ and attention go through the kernel backend chosen at load (``epdserve.kernels.b
 attention against the paged, cross-layer KV cache. What a family changes, it changes through
 the config (per-layer sliding windows, q/k norms, attention scale, logit soft caps), the
 layer's optional sandwich norms, or a hook method: ``layer_ropes``, ``embed_tokens``,
-``activation``.
+``activation``. LoRA adapters (the step's ``meta.lora``) add their deltas to the q/k/v, o,
+gate/up and down projections' outputs, per token's adapter slot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,9 @@ from epdserve.engine.models.bidirectional import attend_spans
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.rope import cos_sin_cache
 from epdserve.kernels.backends import KernelBackend, get_backend
+
+if TYPE_CHECKING:
+    from epdserve.engine.lora.batch import LoRABatch
 
 
 @dataclass
@@ -34,6 +39,7 @@ class AttentionMetadata:
     # (sequence index, first position, end position) of image spans in this step's queries,
     # whose tokens attend to each other bidirectionally (Gemma3)
     bidirectional_spans: tuple[tuple[int, int, int], ...] = ()
+    lora: LoRABatch | None = None  # the step's adapters; None: every row is the base model
 
 
 class DecoderLayer:
@@ -56,13 +62,14 @@ class DecoderLayer:
         "k_norm",
         "window",
         "rope",
+        "index",
     )
 
-    def __init__(self, window: int | None, rope: torch.Tensor):
+    def __init__(self, window: int | None, rope: torch.Tensor, index: int = 0):
         self.qkv_w = self.qkv_b = self.o_w = self.gate_up_w = self.down_w = None
         self.in_norm = self.mlp_norm = self.post_attn_norm = self.post_mlp_norm = None
         self.q_norm = self.k_norm = None
-        self.window, self.rope = window, rope
+        self.window, self.rope, self.index = window, rope, index
 
 
 class DecoderLM:
@@ -85,8 +92,8 @@ class DecoderLM:
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         ropes = self.layer_ropes(max_positions)
         self.layers = [
-            DecoderLayer(window, rope)
-            for window, rope in zip(config.layer_windows(), ropes, strict=True)
+            DecoderLayer(window, rope, i)
+            for i, (window, rope) in enumerate(zip(config.layer_windows(), ropes, strict=True))
         ]
         self.embed = self.final_norm = self.lm_head = None
 
@@ -131,7 +138,7 @@ class DecoderLM:
             if layer.post_attn_norm is not None:
                 h = rms_norm(h, layer.post_attn_norm, eps)
             x, residual = rms_norm(h, layer.mlp_norm, eps, residual)
-            h = self._mlp(layer, x)
+            h = self._mlp(layer, x, meta.lora)
             if layer.post_mlp_norm is not None:
                 h = rms_norm(h, layer.post_mlp_norm, eps)
         return h + residual  # final norm runs only on the rows that need logits
@@ -139,6 +146,8 @@ class DecoderLM:
     def _attention(self, layer: DecoderLayer, x, meta, k_cache, v_cache) -> torch.Tensor:
         cfg = self.config
         qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+        if meta.lora is not None:
+            meta.lora.add(layer.index, ("q_proj", "k_proj", "v_proj"), x, qkv)
         norms = (layer.q_norm, layer.k_norm) if cfg.qk_norm else None
         out, q = self_attention(
             self.kernels,
@@ -155,12 +164,22 @@ class DecoderLM:
         )
         if meta.bidirectional_spans:
             attend_spans(out, q, k_cache, v_cache, meta, self.scale, layer.window)
-        return F.linear(out.reshape(x.shape[0], cfg.q_size), layer.o_w)
+        out = out.reshape(x.shape[0], cfg.q_size)
+        o = F.linear(out, layer.o_w)
+        if meta.lora is not None:
+            meta.lora.add(layer.index, ("o_proj",), out, o)
+        return o
 
-    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor, lora: LoRABatch | None = None):
         gate_up = F.linear(x, layer.gate_up_w)
         inter = self.config.intermediate_size
-        return F.linear(self.activation(gate_up[:, :inter]) * gate_up[:, inter:], layer.down_w)
+        if lora is None:
+            return F.linear(self.activation(gate_up[:, :inter]) * gate_up[:, inter:], layer.down_w)
+        lora.add(layer.index, ("gate_proj", "up_proj"), x, gate_up)
+        h = self.activation(gate_up[:, :inter]) * gate_up[:, inter:]
+        down = F.linear(h, layer.down_w)
+        lora.add(layer.index, ("down_proj",), h, down)
+        return down
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

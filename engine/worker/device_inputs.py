@@ -27,6 +27,7 @@ class DeviceStep:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     logits_indices: torch.Tensor
+    lora_slots: torch.Tensor | None = None
 
 
 class DeviceInputs:
@@ -44,6 +45,7 @@ class DeviceInputs:
             m("seq_lens", inputs.seq_lens),
             m("query_start_loc", inputs.query_start_loc),
             m("logits_indices", inputs.logits_indices),
+            None if inputs.lora_slots is None else m("lora_slots", inputs.lora_slots),
         )
 
     def _move(self, name: str, host: torch.Tensor) -> torch.Tensor:

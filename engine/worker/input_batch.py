@@ -34,6 +34,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # flat index of each sampling request's last token
     sample_req_ids: list[str]
     order: list[str]  # request ids in batch order
+    lora_slots: torch.Tensor | None = None  # int32 [T] adapter slot per token; None: no adapter
 
 
 class InputBatch:
@@ -54,6 +55,8 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # the same in every group
+        self.lora_slot = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: the base model
+        self.num_lora_rows = 0
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.states: dict[str, RequestState] = {}
 
@@ -65,8 +68,11 @@ class InputBatch:
         block_ids: list[list[int]],
         num_computed: int,
         num_prompt_tokens: int,
+        lora_slot: int = -1,
     ) -> None:
         row = self.free_rows.pop()
+        self.lora_slot[row] = lora_slot
+        self.num_lora_rows += int(lora_slot >= 0)
         n = len(token_ids)
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
@@ -82,6 +88,8 @@ class InputBatch:
         state = self.states.pop(req_id, None)
         if state is not None:
             self.free_rows.append(state.row)
+            self.num_lora_rows -= int(self.lora_slot[state.row] >= 0)
+            self.lora_slot[state.row] = -1
 
     def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
         """Append each group's new block ids (every group grows by the same count)."""
@@ -118,6 +126,11 @@ class InputBatch:
         samples = seq_lens >= self.num_tokens[rows]
         sample_pos = (cu - 1)[samples]
         self.num_computed[rows] = seq_lens
+        lora = None
+        if self.num_lora_rows:  # base-only batches skip this
+            adapters = self.lora_slot[rows]
+            if (adapters >= 0).any():
+                lora = torch.from_numpy(np.repeat(adapters, counts))
         return StepInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
@@ -128,4 +141,5 @@ class InputBatch:
             logits_indices=torch.from_numpy(sample_pos),
             sample_req_ids=[r for r, s in zip(order, samples, strict=True) if s],
             order=order,
+            lora_slots=lora,
         )

@@ -13,6 +13,7 @@ import torch
 
 from epdserve.engine.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from epdserve.engine.core.kv_cache_groups import KVCacheSpec, make_kv_cache_spec
+from epdserve.engine.lora.batch import LoRABatch
 from epdserve.engine.models.decoder import AttentionMetadata, DecoderLM
 from epdserve.engine.sample.sampler import SamplingRow, argmax_rows, compute_logprobs, sample
 from epdserve.engine.worker.device_inputs import DeviceInputs
@@ -38,6 +39,7 @@ class ModelRunner:
         vision_encoder=None,
         ec_connector=None,
         spec: KVCacheSpec | None = None,
+        lora=None,
     ):
         cfg = model.config
         self.model = model
@@ -62,6 +64,7 @@ class ModelRunner:
             EncoderOutputs(vision_encoder, ec_connector) if vision_encoder else None
         )
         self.mm_features: dict[str, list] = {}  # request -> its multimodal items
+        self.lora = lora  # the core's LoRAManager (its stacks and scaling), if LoRA is on
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache)
 
@@ -77,6 +80,7 @@ class ModelRunner:
                 new.block_ids,
                 new.num_computed_tokens,
                 new.num_prompt_tokens,
+                new.lora_slot,
             )
             if new.mm_features:
                 self.mm_features[new.req_id] = new.mm_features
@@ -108,6 +112,10 @@ class ModelRunner:
             AttentionMetadata(dev.positions, slots, table, dev.seq_lens, dev.query_start_loc)
             for slots, table in zip(dev.slot_mapping, dev.block_table, strict=True)
         ]
+        if dev.lora_slots is not None:
+            lora = LoRABatch(dev.lora_slots, self.lora.stacks, self.lora.scaling)
+            for m in metas:
+                m.lora = lora
         embeds = self._multimodal_embeds(sched, inputs, dev.input_ids, metas)
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layer_groups]
         if embeds is None:

@@ -32,6 +32,8 @@ SERVE_DEFAULTS = {
     "max_queued_requests": None, "limit_concurrency": None, "timeout_keep_alive": 5.0,
     "header_read_timeout": 10.0, "body_read_timeout": 60.0, "drain_timeout": 30.0,
     "log_level": "info", "log_format": "text", "access_log": False,
+    "enable_lora": False, "lora_modules": [], "max_loras": 1, "max_lora_rank": 16,
+    "max_cpu_loras": None, "allow_runtime_lora_updating": False,
 }  # fmt: skip
 REDIS = {"kv_connector": "RedisConnector", "kv_connector_extra_config": {"url": "redis://h/0"}}
 EC = {"ec_connector": "SharedStorageECConnector", "ec_connector_extra_config": {"path": "/x"}}

@@ -31,6 +31,11 @@ from epdserve.engine.entrypoints.openai.errors import (
     validation_message,
 )
 from epdserve.engine.entrypoints.openai.limits import RequestLimits
+from epdserve.engine.entrypoints.openai.lora_routes import (
+    install_lora_routes,
+    lora_model_cards,
+    setup_lora,
+)
 from epdserve.engine.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from epdserve.engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -77,6 +82,7 @@ class ServerState:
             config.mm_processor_kwargs,
         )
         self.serving = OpenAIServing(self.engine, served_model_name, inputs, limits, config.role)
+        setup_lora(self)  # adapters, their metrics (--enable-lora)
         self.ready = False
         self.draining = False  # set on SIGTERM (drain.py): out of rotation, streams finish
         self.created = int(time.time())
@@ -114,6 +120,7 @@ def build_app(state: ServerState) -> FastAPI:
     _install_error_handlers(app, state)
     _install_middleware(app, state)
     _install_routes(app, state)
+    install_lora_routes(app, state)
     return app
 
 
@@ -197,7 +204,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                     "root": state.config.model,
                     "parent": None,
                     "max_model_len": state.engine.max_model_len or None,
-                }
+                },
+                *lora_model_cards(state),
             ],
         }
 

@@ -115,7 +115,7 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
         "id": prep.request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": prep.created,
-        "model": serving.model_name,
+        "model": prep.model_name or serving.model_name,
         "choices": choices,
         "usage": usage(prep, acc),
         "kv_transfer_params": kv_transfer_params,
@@ -140,7 +140,7 @@ async def stream_response(
         "id": prep.request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": prep.created,
-        "model": serving.model_name,
+        "model": prep.model_name or serving.model_name,
     }
     if chat:
         for c in range(len(acc.text)):

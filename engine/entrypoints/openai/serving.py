@@ -21,6 +21,8 @@ from epdserve.engine.entrypoints.openai.protocol import ChatCompletionRequest, C
 from epdserve.engine.inputs.processor import InputProcessor
 from epdserve.engine.inputs.prompt import ProcessedPrompt
 from epdserve.engine.kv_transfer.params import validate_kv_transfer_params
+from epdserve.engine.lora.registry import LoRARegistry
+from epdserve.engine.lora.request import LoRARequest
 
 _json = msgspec.json.Encoder()
 
@@ -42,6 +44,8 @@ class Prepared:
         self.created = int(time.time())
         # the answer carries the processed prompt, for the next pod of a disaggregated pool
         self.return_prompt = False
+        self.lora_request: LoRARequest | None = None  # the adapter its ``model`` names
+        self.model_name = ""  # the ``model`` its answer names (the adapter's or the base's)
 
     @property
     def num_seqs(self) -> int:
@@ -70,14 +74,19 @@ class OpenAIServing:
         self.tok = inputs.tok
         self.limits = limits or RequestLimits()
         self.role = role
+        self.loras: LoRARegistry | None = None  # the adapters served, when LoRA is on
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names (None: the base model); 404 for an unknown name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model) if self.loras is not None else None
+        if lora is None:
+            valid = ", ".join([self.model_name, *(self.loras.adapters if self.loras else ())])
             raise APIError(
-                404,
-                f"The model `{model}` does not exist. Valid models: {self.model_name}.",
-                "model",
+                404, f"The model `{model}` does not exist. Valid models: {valid}.", "model"
             )
+        return lora
 
     # --- preparation: cheap checks here, tokenizing/templating/images off the loop -----
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
@@ -177,6 +186,8 @@ class OpenAIServing:
         except ValueError as exc:
             raise from_value_error(exc) from exc
         prep = Prepared(prompts, params, kind)
+        prep.lora_request = self.check_model(req.model)
+        prep.model_name = req.model if prep.lora_request is not None else self.model_name
         prep.kv_transfer_params = transfer
         prep.cache_salt = req.cache_salt
         prep.return_prompt = self.role == "encoder" or bool(
@@ -195,8 +206,10 @@ class OpenAIServing:
                 prep.kv_transfer_params,
                 prep.cache_salt,
                 prep.label,
+                lora_request=prep.lora_request,
             ):
                 yield 0, out
+            self._count_adapter(prep)
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -209,6 +222,7 @@ class OpenAIServing:
                     prep.kv_transfer_params,
                     cache_salt=prep.cache_salt,
                     label=prep.label,
+                    lora_request=prep.lora_request,
                 ):
                     await queue.put((i, out))
             except Exception as exc:  # surfaced to the consumer below
@@ -226,6 +240,12 @@ class OpenAIServing:
                     raise item
                 else:
                     yield i, item
+            self._count_adapter(prep)
         finally:
             for task in tasks:
                 task.cancel()
+
+    def _count_adapter(self, prep: Prepared) -> None:
+        metrics = self.engine.metrics
+        if prep.lora_request is not None and metrics is not None and metrics.lora is not None:
+            metrics.lora.on_finished(prep.lora_request.lora_name)

@@ -1,0 +1,73 @@
+"""Device slots of the LoRA manager: least recently used first, never one a running request
+uses; adapters are read off the step loop; an unreadable one fails with its reason."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from epdserve.engine.lora.manager import LoRALoadError, LoRAManager
+from epdserve.engine.lora.random_adapters import write_random_adapters
+from epdserve.engine.lora.request import LoRARequest
+from epdserve.engine.models.config import load_model_config
+
+
+@pytest.fixture(scope="module")
+def setup(models, tmp_path_factory):
+    path = models.get("llama")
+    paths = write_random_adapters(path, 3, out=tmp_path_factory.mktemp("loras"))
+    loras = [LoRARequest(p.name, i + 1, str(p)) for i, p in enumerate(paths)]
+    return load_model_config(path), loras
+
+
+def placed(manager: LoRAManager, lora: LoRARequest, busy=frozenset()) -> bool:
+    """``acquire`` until the adapter is read (it loads in the background)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if manager.acquire(lora, set(busy)):
+            return True
+        if lora.lora_int_id not in manager.loading:
+            return False  # read, but no slot
+        time.sleep(0.01)
+    raise AssertionError("adapter never loaded")
+
+
+def test_slots_are_reused_least_recently_used_first_but_never_when_busy(setup):
+    cfg, (a, b, c) = setup
+    manager = LoRAManager(cfg, 2, 16, 3, torch.float32, torch.device("cpu"))
+    assert placed(manager, a) and placed(manager, b)
+    assert manager.slot_of(a) == 0 and manager.slot_of(b) == 1
+    assert placed(manager, a)  # a is now the most recently used
+    assert placed(manager, c)
+    assert manager.slot_of(b) == -1 and manager.slot_of(c) == 1  # b was evicted
+    assert not placed(manager, b, busy={a.lora_int_id, c.lora_int_id})  # waits
+    assert manager.slot_of(b) == -1 and manager.num_loads == 3
+    assert placed(manager, b, busy={c.lora_int_id})
+    assert manager.slot_of(b) == 0 and manager.slot_of(a) == -1
+    assert manager.num_loads == 3  # b came back from the host LRU, not from disk
+    manager.close()
+
+
+def test_slot_holds_the_weights_padded_to_the_maximum_rank(setup):
+    cfg, (a, b, _) = setup
+    manager = LoRAManager(cfg, 1, 16, 1, torch.float32, torch.device("cpu"))
+    assert placed(manager, b)
+    assert placed(manager, a)  # rank 8 over b's rank 16: the rest must be zeros again
+    a_stack, b_stack = manager.stacks[1]["k_proj"]
+    assert a_stack.shape == (1, 16, 128) and b_stack.shape == (1, 64, 16)
+    assert a_stack[0, :8].abs().sum() > 0 and a_stack[0, 8:].abs().sum() == 0
+    assert b_stack[0, :, 8:].abs().sum() == 0 and manager.scaling[0] == 2.0
+    manager.close()
+
+
+def test_an_unreadable_adapter_fails_with_its_reason(setup, tmp_path):
+    cfg, _ = setup
+    manager = LoRAManager(cfg, 1, 16, 1, torch.float32, torch.device("cpu"))
+    missing = LoRARequest("gone", 7, str(tmp_path / "gone"))
+    with pytest.raises(LoRALoadError, match="'gone': lora_path: .* is not a directory"):
+        placed(manager, missing)
+    with pytest.raises(LoRALoadError):  # remembered: not read again
+        manager.acquire(missing, set())
+    manager.close()
