@@ -18,6 +18,7 @@ from epdserve.router.disagg import handle as disagg_handle
 from epdserve.router.guard import ApiKeyCheck, BodyLimit
 from epdserve.router.loadstats import scrape_forever
 from epdserve.router.lora_route import prepare as prepare_adapter
+from epdserve.router.lora_route import with_adapters
 from epdserve.router.processed import FIELD as PROCESSED
 from epdserve.router.proxy import ProxyError, open_upstream, relay, request_headers
 from epdserve.router.service import Router
@@ -174,7 +175,12 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await forward(request, "/v1/models", {}, metadata_router())
+        target = metadata_router()
+        response = await forward(request, "/v1/models", {}, target)
+        if not target.lora_policy.configured or response.status_code != 200:
+            return response
+        raw = b"".join([chunk async for chunk in response.body_iterator])
+        return Response(with_adapters(target, raw), media_type="application/json")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -4,6 +4,7 @@ scrape (``observe``) and the load request itself. The rules are in :mod:`lora`."
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 
@@ -188,3 +189,22 @@ async def observe(
         log.debug("model list of %s not read: %s", state.name, exc)
     now = time.monotonic()  # a load may have finished meanwhile: change only the list
     state.adapters = dataclasses.replace(state.adapters, base=base, listed=listed, listed_at=now)
+
+
+def with_adapters(router: Router, raw: bytes) -> bytes:
+    """A pod's ``/v1/models`` answer with every adapter of the pool: those any pod lists and,
+    with dynamic loading, those the router may load (a pod lists only its own)."""
+    try:
+        answer = json.loads(raw)
+        cards = answer["data"]
+        base = next(c for c in cards if isinstance(c, dict) and c.get("parent") is None)
+    except (ValueError, TypeError, KeyError, StopIteration):
+        return raw  # not a model list: the pod's answer as it is
+    names = set().union(*(p.adapters.listed or () for p in router.pods()))
+    if router.lora_policy.dynamic:
+        names |= set(router.lora_policy.sources)
+    present = {c.get("id") for c in cards if isinstance(c, dict)}
+    for name in sorted(names - present):
+        card = {**base, "id": name, "parent": base["id"], "max_model_len": None}
+        cards.append({**card, "root": router.lora_policy.sources.get(name, name)})
+    return json.dumps(answer).encode()

@@ -117,6 +117,8 @@ def test_the_router_process_loads_an_adapter_for_the_openai_client(pods, spawn):
     while min(a.list_calls, b.list_calls) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    # the pool's models: the base, then the adapter the router may load (no pod has it yet)
+    assert [m.id for m in client.models.list()] == ["tiny", "sql"]
     first = client.completions.create(model="sql", prompt="select", max_tokens=4)
     second = client.completions.create(model="sql", prompt="select", max_tokens=4)
     with pytest.raises(openai.NotFoundError, match="nope"):
