@@ -6,6 +6,8 @@ in microseconds:
 
 - ``twin_us``: ``lora_ref.lora_apply_ref`` (a torch chain per adapter present);
 - ``cpu_us``: ``lora.lora_apply``, what the engine calls (validation + the C kernel);
+- ``cpu_bt_us``: the same with ``b_stack`` a view of ``[S, r, out]`` memory (read in place,
+  no per-call transposition of B);
 - ``base_us``: ``F.linear(x, W)`` of the same layer without LoRA (W ``[out, in]``).
 
 ``overhead`` = ``cpu_us / base_us``: what LoRA adds to that projection; ``speedup`` =
@@ -48,7 +50,8 @@ def slot_pattern(name: str, tokens: int) -> torch.Tensor:
         return torch.full((tokens,), -1, dtype=torch.int32)
     if name == "one":
         return torch.zeros(tokens, dtype=torch.int32)
-    runs = [(t * 5 // tokens) - 1 for t in range(tokens)]  # -1 first, then 0..3 in runs
+    # 0..3 in runs, every 8th row without an adapter
+    runs = [-1 if t % 8 == 7 else t * 4 // tokens for t in range(tokens)]
     slots = torch.tensor(runs, dtype=torch.int32)
     if name == "4-mixed":
         slots = slots[torch.randperm(tokens, generator=torch.Generator().manual_seed(0))]
@@ -76,6 +79,7 @@ def run_case(in_dim, out_dim, rank, dtype, tokens, pattern, repeats):
     b = torch.randn(4, out_dim, rank, generator=g).to(dtype)
     scaling = torch.full((4,), 2.0)
     slots = slot_pattern(pattern, tokens)
+    b_t = b.transpose(1, 2).contiguous().transpose(1, 2)
     y_twin, y_cpu = (
         torch.zeros(tokens, out_dim, dtype=dtype),
         torch.zeros(tokens, out_dim, dtype=dtype),
@@ -83,12 +87,14 @@ def run_case(in_dim, out_dim, rank, dtype, tokens, pattern, repeats):
     fns = [
         lambda: lora_apply_ref(y_twin, x, slots, a, b, scaling),
         lambda: lora_apply(y_cpu, x, slots, a, b, scaling),
+        lambda: lora_apply(y_cpu, x, slots, a, b_t, scaling),
         lambda: F.linear(x, w),
     ]
-    twin, cpu, base = medians_of_interleaved(fns, repeats)
+    twin, cpu, cpu_bt, base = medians_of_interleaved(fns, repeats)
     return {
         "twin_us": round(twin * 1e6, 1),
         "cpu_us": round(cpu * 1e6, 1),
+        "cpu_bt_us": round(cpu_bt * 1e6, 1),
         "base_us": round(base * 1e6, 1),
         "overhead": round(cpu / base, 3),
         "speedup": round(twin / cpu, 2),

@@ -31,6 +31,8 @@ def check_lora_apply(y, x, slots, a_stack, b_stack, scaling) -> None:
     ``a_stack [S, r, in]`` and ``b_stack [S, out, r]`` of one dtype, float32 or ``x``'s;
     ``scaling`` float32 ``[S]``. The slot values are checked by :func:`check_slot_range`.
     """
+    if _well_formed(y, x, slots, a_stack, b_stack, scaling):
+        return  # the common case in one expression (called per projection and step)
     check_float("x", x, 2)
     check_float("y", y, 2)
     check_same_dtype("y", y, "x", x)
@@ -58,6 +60,39 @@ def check_lora_apply(y, x, slots, a_stack, b_stack, scaling) -> None:
     if y.stride(1) != 1 and out_dim > 1:
         raise ValueError("y must have a contiguous last dimension (a column slice is fine)")
     check_same_device("x", x, y=y, slots=slots, a_stack=a_stack, b_stack=b_stack, scaling=scaling)
+
+
+_ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
+_SLOTS = (torch.int32, torch.int64)
+
+
+def _well_formed(y, x, slots, a_stack, b_stack, scaling) -> bool:
+    """True when every check of :func:`check_lora_apply` passes (False: look closer)."""
+    try:
+        (tokens, in_dim), (y_tokens, out_dim) = x.shape, y.shape
+        num_slots, rank, a_in = a_stack.shape
+        dtype, wdtype, device = x.dtype, a_stack.dtype, x.device
+        return (
+            dtype in _ACTIVATIONS
+            and y.dtype == dtype
+            and wdtype in (torch.float32, dtype)
+            and b_stack.dtype == wdtype
+            and scaling.dtype == torch.float32
+            and slots.dtype in _SLOTS
+            and a_in == in_dim
+            and y_tokens == tokens
+            and slots.shape == (tokens,)
+            and b_stack.shape == (num_slots, out_dim, rank)
+            and scaling.shape == (num_slots,)
+            and (y.stride(1) == 1 or out_dim <= 1)
+            and y.device == device
+            and slots.device == device
+            and a_stack.device == device
+            and b_stack.device == device
+            and scaling.device == device
+        )
+    except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
+        return False
 
 
 def check_slot_range(slots: torch.Tensor, num_slots: int) -> None:

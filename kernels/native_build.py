@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "cpu_ops.c", CSRC / "lora.c")
-HEADERS = (CSRC / "cpu_simd.h",)
+HEADERS = (CSRC / "cpu_simd.h", CSRC / "lora_simd.h")
 BASE_FLAGS = [
     "-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
     "-std=c11",

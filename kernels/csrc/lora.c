@@ -7,7 +7,8 @@
  *
  * Each thread takes a contiguous range of tokens and handles it slot by slot: B[s] is
  * transposed to float32 once per (thread, slot) (or read in place when its memory is
- * already [S, r, out]: a transposed view), then the slot's rows (in any order) go
+ * already [S, r, out]: a transposed view; or, for a slot with at most GROUP rows and a rank
+ * that is a multiple of 16, read by rows with 16 dot products reduced at once), then the slot's rows (in any order) go
  * through in groups of GROUP, each row of A[s] and of B[s]^T loaded once per group.
  * Called via ctypes (epdserve/kernels/lora.py); built with the other C kernels.
  */
@@ -16,52 +17,13 @@
 #include <string.h>
 
 #include "cpu_simd.h"
+#include "lora_simd.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #define GROUP 4
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-static inline v16f load16(const void *p, int64_t i, int bf16) {
-    v16f v;
-    if (bf16) {
-        v16h h;
-        memcpy(&h, (const uint16_t *)p + i, 32);
-        v16u u = __builtin_convertvector(h, v16u) << 16;
-        memcpy(&v, &u, 64);
-    } else {
-        memcpy(&v, (const float *)p + i, 64);
-    }
-    return v;
-}
-
-static inline float load1(const void *p, int64_t i, int bf16) {
-    return bf16 ? bits_to_f32((uint32_t)((const uint16_t *)p)[i] << 16) : ((const float *)p)[i];
-}
-
-/* y[i] = y[i] + round(d[i]) in y's dtype (one rounding of the sum for bfloat16) */
-static inline void add16(void *y, int64_t i, v16f d, int bf16) {
-    if (bf16) {
-        v16f sum = load16(y, i, 1) + round_bf16_16(d);
-        v16h out = __builtin_convertvector(((v16u)round_bf16_16(sum)) >> 16, v16h);
-        memcpy((uint16_t *)y + i, &out, 32);
-    } else {
-        v16f sum = load16(y, i, 0) + d;
-        memcpy((float *)y + i, &sum, 64);
-    }
-}
-
-static inline void add1(void *y, int64_t i, float d, int bf16) {
-    if (bf16) {
-        v16f v = round_bf16_16(splat16(load1(y, i, 1)) + round_bf16_16(splat16(d)));
-        ((uint16_t *)y)[i] = (uint16_t)(((v16u)v)[0] >> 16);
-    } else {
-        ((float *)y)[i] += d;
-    }
-}
-
 typedef struct {
     void *y;
     const void *x, *a, *b; /* b: B [S, out, r] with strides b_ss, b_so, b_sk (elements) */
@@ -99,11 +61,12 @@ static inline __attribute__((always_inline)) void shrink(const Args *p, const fl
     }
 }
 
-/* B[s]^T [rank, out]: rows `ld` elements apart, bfloat16 or float32 */
+/* B[s] as the expand reads it, bfloat16 or float32: B^T [rank, out] with rows `ld` elements
+ * apart, or (rows != 0) B's own rows [out, rank], `ld` apart, k contiguous */
 typedef struct {
     const void *p;
     int64_t ld;
-    int bf16;
+    int bf16, rows;
 } Bt;
 
 /* y_j += round(h_j @ bt) for the first g rows */
@@ -127,11 +90,44 @@ static inline __attribute__((always_inline)) void expand_t(const Args *p, void *
         }
 }
 
+/* sum_k B[o, k] h[k] as 16 lanes (r a multiple of 16, k contiguous) */
+static inline __attribute__((always_inline)) v16f dot_row(const void *b, int64_t off,
+                                                          const float *h, int64_t r, int wb) {
+    v16f acc = {0};
+    for (int64_t k = 0; k < r; k += 16) {
+        v16f hv;
+        memcpy(&hv, h + k, 64);
+        acc = fma16(load16(b, off + k, wb), hv, acc);
+    }
+    return acc;
+}
+
+/* the same from B's rows (rank r a multiple of 16): 16 outputs' dot products at a time,
+ * reduced together; for a slot with a few rows, where transposing B would cost more */
+static inline __attribute__((always_inline)) void expand_rows_t(const Args *p, void **ys, int g,
+                                                                const float *h, Bt bt, int64_t r,
+                                                                int wb) {
+    int64_t out = p->out_dim, vec = out & ~(int64_t)15;
+    for (int j = 0; j < g; j++) {
+        const float *hj = h + j * r;
+        for (int64_t o0 = 0; o0 < vec; o0 += 16) {
+            v16f v[16];
+            for (int i = 0; i < 16; i++) v[i] = dot_row(bt.p, (o0 + i) * bt.ld, hj, r, wb);
+            add16(ys[j], o0, reduce16x16(v), p->act_bf16);
+        }
+        for (int64_t o = vec; o < out; o++)
+            add1(ys[j], o, hsum16(dot_row(bt.p, o * bt.ld, hj, r, wb)), p->act_bf16);
+    }
+}
+
 static void expand(const Args *p, void **ys, int g, const float *h, Bt bt) {
-    if (bt.bf16)
-        expand_t(p, ys, g, h, bt, 1);
+    if (bt.rows && p->rank == 16) /* the default rank: one vector per row of B */
+        bt.bf16 ? expand_rows_t(p, ys, g, h, bt, 16, 1) : expand_rows_t(p, ys, g, h, bt, 16, 0);
+    else if (bt.rows)
+        bt.bf16 ? expand_rows_t(p, ys, g, h, bt, p->rank, 1)
+                : expand_rows_t(p, ys, g, h, bt, p->rank, 0);
     else
-        expand_t(p, ys, g, h, bt, 0);
+        bt.bf16 ? expand_t(p, ys, g, h, bt, 1) : expand_t(p, ys, g, h, bt, 0);
 }
 
 /* rows[0..g-1] of slot s (g <= GROUP); xf: GROUP * in floats for bfloat16 rows widened */
@@ -164,6 +160,34 @@ static void run_group(const Args *p, int64_t s, const int64_t *rows, int g, Bt b
     expand(p, ys, g, h, bt);
 }
 
+/* bt [r, out] float32 = B^T, B [out, r] with strides so, sk: 16 outputs at a time, so each
+ * small tile of B stays in L1 while its columns become rows of bt */
+static void transpose_b(float *restrict bt, const void *b, int64_t out, int64_t r, int64_t so,
+                        int64_t sk, int bf16) {
+    int64_t o0 = 0;
+    for (; o0 + 16 <= out; o0 += 16)
+        for (int64_t k = 0; k < r; k++) {
+            float col[16];
+            if (bf16) {
+                const uint16_t *src = (const uint16_t *)b + o0 * so + k * sk;
+                for (int i = 0; i < 16; i++) col[i] = bits_to_f32((uint32_t)src[i * so] << 16);
+            } else {
+                const float *src = (const float *)b + o0 * so + k * sk;
+                for (int i = 0; i < 16; i++) col[i] = src[i * so];
+            }
+            memcpy(bt + k * out + o0, col, sizeof col);
+        }
+    for (int64_t o = o0; o < out; o++)
+        for (int64_t k = 0; k < r; k++) bt[k * out + o] = load1(b, o * so + k * sk, bf16);
+}
+
+/* whether slot s has at most GROUP tokens in start..t1-1 */
+static int few_rows(const int32_t *slots, int64_t start, int64_t t1, int32_t s) {
+    int n = 0;
+    for (int64_t t = start; t < t1 && n <= GROUP; t++) n += slots[t] == s;
+    return n <= GROUP;
+}
+
 static int seen(const int32_t *done, int n, int32_t s) {
     for (int i = 0; i < n; i++)
         if (done[i] == s) return 1;
@@ -185,15 +209,15 @@ static void run_range(const Args *p, int64_t t0, int64_t t1, float *scratch) {
         int g = 0;
         done[nd++] = s;
         next = t1;
-        Bt bts = {bt, out, 0};
+        Bt bts = {bt, out, 0, 0};
         if (s >= 0) {
             const void *b = (const char *)p->b + s * p->b_ss * wsz;
             if (p->b_so == 1) /* B stored transposed ([S, r, out] memory): used in place */
-                bts = (Bt){b, p->b_sk, p->w_bf16};
+                bts = (Bt){b, p->b_sk, p->w_bf16, 0};
+            else if (p->b_sk == 1 && r % 16 == 0 && few_rows(p->slots, start, t1, s))
+                bts = (Bt){b, p->b_so, p->w_bf16, 1};
             else
-                for (int64_t o = 0; o < out; o++)
-                    for (int64_t k = 0; k < r; k++)
-                        bt[k * out + o] = load1(b, o * p->b_so + k * p->b_sk, p->w_bf16);
+                transpose_b(bt, b, out, r, p->b_so, p->b_sk, p->w_bf16);
         }
         for (int64_t t = start; t < t1; t++) {
             int32_t st = p->slots[t];

@@ -113,6 +113,15 @@ def test_c_kernel_matches_twin(dtype, shape, slots):
     run_against_twin(lora_apply_native, slots, *shape, dtype)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("r_max", [16, 32])
+def test_c_kernel_matches_twin_when_slots_have_few_rows(dtype, r_max):
+    # slots 0 and 1 (<= 4 rows) read B by rows, slot 2 (5 rows) transposes it; 40 = 16+16+8
+    slots = [0, 1, -1, 1, 2, 2, 2, 2, 2]
+    run_against_twin(lora_apply_native, slots, 48, 40, dtype, r_max=r_max, ranks=(r_max, 5))
+
+
 def stored_transposed(b):
     """b [S, out, r] as a view of [S, r, out] memory (the expand's natural layout)."""
     return b.transpose(1, 2).contiguous().transpose(1, 2)
@@ -186,6 +195,10 @@ def bad(**change):
         (dict(scaling=torch.ones(3, dtype=torch.float64)), "scaling must be a float32"),
         (dict(scaling=torch.ones(2)), "scaling must have shape"),
         (dict(y=torch.randn(12, len(MIXED)).T), "contiguous last dimension"),
+        (dict(y=torch.randn(len(MIXED), 12, 1)), "y must have 2 dims"),
+        (dict(x=torch.randn(len(MIXED), 16, 1)), "x must have 2 dims"),
+        (dict(a_stack=torch.randn(3, 8, 16)[None]), "a_stack must have 3 dims"),
+        (dict(scaling=[1.0, 1.0, 1.0]), "scaling must be a float32"),
     ],
 )
 def test_chooser_rejects_bad_arguments_and_writes_nothing(change, message):
