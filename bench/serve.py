@@ -1,8 +1,11 @@
 """Serving benchmark: an asyncio load generator against a real ``epdserve serve`` (JSON out).
 
 Also runs the same workload through offline ``LLM.generate`` in the same run and reports
-served ÷ offline output throughput (the frontend's cost; vLLM's own ratio on a 2-core
-machine is about 0.56).
+served ÷ offline output throughput (vLLM's own ratio on a 2-core machine is about 0.56).
+Offline runs twice: as a user runs it (every CPU) and at the served core's thread count
+(every CPU but one, which the API process keeps): ``served_over_offline_at_core_threads``
+is the served path's own cost (API process, ZMQ hops, detokenization, SSE), apart from
+the CPU the API process needs.
 
     python bench/serve.py [--requests 64] [--concurrency 64 | --rate 20] [--workload random|shared-prefix]
 """
@@ -21,6 +24,8 @@ import tempfile
 import time
 
 import httpx
+
+from epdserve.engine.async_llm import core_threads_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -172,12 +177,19 @@ print(json.dumps({"seconds": dt, "output_tok_per_s": tokens / dt}))
 """
 
 
-def offline(model: str, reqs, args) -> dict:
+def offline(model: str, reqs, args, threads: str | None = None) -> dict:
+    """``LLM.generate`` in its own process; ``threads`` sets its OpenMP threads."""
     spec = json.dumps(
         {"model": model, "dtype": args.dtype, "reqs": reqs, "kv": args.kv_cache_mb << 20}
     )
+    env = {**os.environ, **({"OMP_NUM_THREADS": threads} if threads else {})}
     out = subprocess.run(
-        [sys.executable, "-c", OFFLINE], input=spec, capture_output=True, text=True, check=True
+        [sys.executable, "-c", OFFLINE],
+        input=spec,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -202,6 +214,9 @@ def main() -> None:
             model = str(make_model("llama", f"{tmp}/tiny", seed=0))
         reqs = make_workload(args.workload, args.requests, 7, args.prompt_len, args.output_len)
         base = offline(model, reqs, args)
+        # the served core's own thread count (all CPUs but one, or OMP_NUM_THREADS)
+        core_threads = core_threads_env().get("OMP_NUM_THREADS")
+        same = offline(model, reqs, args, core_threads)
         proc, url = serve(model, args)
         try:
             asyncio.run(run_load(url, reqs[:4], None, None))  # warm-up
@@ -223,7 +238,11 @@ def main() -> None:
                 },
                 "served": served,
                 "offline": base,
+                "offline_at_core_threads": {**same, "threads": core_threads or "inherited"},
                 "served_over_offline": served["output_tok_per_s"] / base["output_tok_per_s"],
+                # what the served path costs, apart from the core's thread the API keeps
+                "served_over_offline_at_core_threads": served["output_tok_per_s"]
+                / same["output_tok_per_s"],
             },
             indent=2,
         )
