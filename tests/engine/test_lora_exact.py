@@ -168,3 +168,32 @@ def test_loading_many_adapters_in_turn_leaks_nothing(llama, loras):
     manager = llm.engine.lora
     assert len(manager.slots) == 2 and len(manager.host) <= 3 and not manager.loading
     assert_no_leak(llm)
+
+
+def test_gemma3_adapters_match_peft_merged_reference(models, tmp_path):
+    """Gemma3's decoder (q/k norms, GeGLU, sandwich norms) under the image+text model's key
+    prefix (``...model.language_model.layers``): the tiny model's greedy tokens barely move,
+    so its top log-probabilities are compared, with the adapter and without."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    path = models.get("gemma3")
+    lora = LoRARequest("g0", 1, str(write_random_adapters(path, 1, out=tmp_path)[0]))
+    prompt = list(range(40, 70))
+    ids = torch.tensor([prompt])
+    want = []
+    for adapter in (lora.lora_path, None):
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        with torch.inference_mode():
+            want.append(model(ids).logits[0, -1].log_softmax(-1).topk(4))
+    llm = LLM(model=str(path), dtype="float32", block_size=16, enable_lora=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=4)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, one, lora_request=[lora, None])
+    for out, (values, indices) in zip(outs, want, strict=True):
+        got = out.outputs[0].logprobs[0]
+        assert list(got) == indices.tolist()
+        assert [got[t].logprob for t in got] == pytest.approx(values.tolist(), abs=1e-4)
+    assert not torch.equal(want[0].values, want[1].values)
+    assert_no_leak(llm)

@@ -170,3 +170,16 @@ def test_metrics_name_the_adapters(pod, client):
         if line.startswith("epdserve:lora_requests_total{") and 'lora_name="lora1"' in line
     ]  # fmt: skip
     assert counted and float(counted[0].split()[-1]) >= 1
+
+
+def test_chat_streams_name_the_adapter(client):
+    stream = client.chat.completions.create(
+        model="lora1",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=4,
+        temperature=0.0,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert chunks and all(c.model == "lora1" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
