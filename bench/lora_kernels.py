@@ -18,6 +18,10 @@ in microseconds:
 slots, a column-slice ``y``, float32 and bfloat16; prints the largest differences and the
 Triton/``F.linear`` medians, exits 1 when a difference is beyond the tests' tolerances.
 
+``--threads 1`` gives steadier figures on a shared 2-core machine (torch's OpenMP barriers
+stall when other processes hold the cores; the C kernel runs one thread below 2**20
+multiply-adds anyway).
+
     .venv/bin/python bench/lora_kernels.py [--quick] [--threads N] [--gpu]
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -59,14 +64,16 @@ def slot_pattern(name: str, tokens: int) -> torch.Tensor:
 
 
 def medians_of_interleaved(fns, repeats: int) -> list[float]:
-    """Median seconds of each function, alternating them so all see the same load."""
-    times = [[] for _ in fns]
+    """Median seconds of each function, alternating them so all see the same load; in a new
+    order each round, so none always runs right after the one that pollutes the caches."""
+    times, order, rng = [[] for _ in fns], list(range(len(fns))), random.Random(0)
     for fn in fns:
         fn()
     for _ in range(repeats):
-        for i, fn in enumerate(fns):
+        rng.shuffle(order)
+        for i in order:
             t0 = time.perf_counter()
-            fn()
+            fns[i]()
             times[i].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
 

@@ -6,10 +6,11 @@
  * than torch's GEMM (16 lanes, then a tree; FMA), so float32 results agree to rounding.
  *
  * Each thread takes a contiguous range of tokens and handles it slot by slot: B[s] is
- * transposed to float32 once per (thread, slot) (or read in place when its memory is
- * already [S, r, out]: a transposed view; or, for a slot with at most GROUP rows and a rank
- * that is a multiple of 16, read by rows with 16 dot products reduced at once), then the slot's rows (in any order) go
- * through in groups of GROUP, each row of A[s] and of B[s]^T loaded once per group.
+ * transposed to float32 once per (thread, slot), then the slot's rows (in any order) go
+ * through in groups of GROUP, each row of A[s] and of B[s]^T loaded once per group. B is
+ * not transposed when its memory is already [S, r, out] (a transposed view: read in place),
+ * nor for a slot with at most GROUP rows and a rank that is a multiple of 16 (read by rows,
+ * 16 dot products reduced at once: cheaper than the transposition at decode sizes).
  * Called via ctypes (epdserve/kernels/lora.py); built with the other C kernels.
  */
 #include <stdint.h>

@@ -212,27 +212,41 @@ def test_chooser_rejects_bad_arguments_and_writes_nothing(change, message):
 # ---- Triton (interpreted: tiny shapes) -------------------------------------------------
 
 
+# the interpreter's bfloat16 casts are not the GPU's (FACTS.md): a looser check there (it still
+# catches a wrong slot, row or column); bench/lora_kernels.py --gpu checks bfloat16 on CUDA
+TRITON_TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (0.05, 2**-6),  # about an ulp of the delta
+}
+
+
 @pytest.mark.usefixtures("interpreted")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("slots", [MIXED, [-1], [1] * 18 + [0], [9, -1, 0]])
+@pytest.mark.parametrize("dtype", list(TRITON_TOL))
+@pytest.mark.parametrize("slots", [MIXED, [-1], [1] * 18 + [0]])
 def test_triton_matches_twin(dtype, slots):
     from epdserve.kernels.lora_triton import lora_apply_triton
 
-    if 9 in slots:  # a slot outside the stack: Triton leaves the row untouched
-        _, y, x, sl, a, b, sc = case(slots, 32, 24, dtype)
-        y0 = y.clone()
-        lora_apply_triton(y, x, sl, a, b, sc)
-        ref = y0.clone()
-        lora_apply_ref(ref, x, torch.tensor([-1, -1, 0], dtype=torch.int32), a, b, sc)
-        torch.testing.assert_close(y, ref, atol=2e-3, rtol=2e-3)
-        return
     wide, y, x, sl, a, b, sc = case(slots, 40, 24, dtype, y_cols=(3, 5))
+    before = wide.clone()
     ref = y.clone()
     lora_apply_ref(ref, x, sl, a, b, sc)
     lora_apply_triton(y, x, sl, a, b, sc)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(y, ref, atol=tol, rtol=tol)
+    atol, rtol = TRITON_TOL[dtype]
+    torch.testing.assert_close(y, ref, atol=atol, rtol=rtol)
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, -5:], before[:, -5:])
+    assert torch.equal(wide[sl < 0], before[sl < 0])
     y2 = case(slots, 40, 24, dtype, y_cols=(3, 5))[1]
     lora_apply_triton(y2, x, sl, a, stored_transposed(b), sc)  # the same sums, other strides
     assert torch.equal(y2, y)
-    assert torch.equal(wide[:, :3], case(slots, 40, 24, dtype, y_cols=(3, 5))[0][:, :3])
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_triton_leaves_rows_of_a_slot_outside_the_stack_untouched():
+    from epdserve.kernels.lora_triton import lora_apply_triton
+
+    _, y, x, sl, a, b, sc = case([9, -1, 0], 32, 24, torch.float32)
+    ref = y.clone()
+    lora_apply_triton(y, x, sl, a, b, sc)
+    lora_apply_ref(ref, x, torch.tensor([-1, -1, 0], dtype=torch.int32), a, b, sc)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
