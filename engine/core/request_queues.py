@@ -68,6 +68,8 @@ class RequestQueues:
         """Whether a waiting request's adapter is on a device slot, placing it now if its
         weights are read and a slot is free or held by no running request. An adapter that
         failed to load fails the request (``lora_failures``, for the core to answer)."""
+        if self.lora.touch(request.lora):  # on a slot already: the common case
+            return True
         busy = {r.lora.lora_int_id for r in self.running if r.lora is not None}
         try:
             return self.lora.acquire(request.lora, busy)

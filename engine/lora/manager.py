@@ -123,13 +123,19 @@ class LoRAManager:
             return -1
         return self.slots.get(lora.lora_int_id, -1)
 
+    def touch(self, lora: LoRARequest) -> bool:
+        """Whether ``lora`` is on a slot (then it becomes the most recently used)."""
+        lid = lora.lora_int_id
+        if lid in self.slots:
+            self.slots.move_to_end(lid)
+            return True
+        return False
+
     def acquire(self, lora: LoRARequest, busy: set[int]) -> bool:
         """Put ``lora`` on a slot if it is not on one; False while it is being read or every
         slot holds an adapter of ``busy`` (ids of running requests). ``LoRALoadError`` when
         its files cannot be read."""
-        lid = lora.lora_int_id
-        if lid in self.slots:
-            self.slots.move_to_end(lid)
+        if self.touch(lora):
             return True
         weights = self._host_weights(lora)
         if weights is None:
@@ -138,6 +144,7 @@ class LoRAManager:
         if slot is None:
             return False
         self._write(slot, *weights)
+        lid = lora.lora_int_id
         self.slot_owner[slot] = lid
         self.slots[lid] = slot
         self.names[lid] = lora.lora_name
