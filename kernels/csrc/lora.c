@@ -4,6 +4,8 @@
  * Numerics of the torch twin (epdserve/kernels/lora_ref.py): shrink and expand in float32,
  * the delta rounded to y's dtype, then one add in y's dtype. Sums run in another order
  * than torch's GEMM (16 lanes, then a tree; FMA), so float32 results agree to rounding.
+ * With bfloat16 x and A on a CPU with AVX512-BF16 the shrink uses its dot product
+ * (shrink_dpbf16: exact products, float32 sums, denormals flushed).
  *
  * Each thread takes a contiguous range of tokens and handles it slot by slot: B[s] is
  * transposed to float32 once per (thread, slot), then the slot's rows (in any order) go
@@ -136,7 +138,21 @@ static void run_group(const Args *p, int64_t s, const int64_t *rows, int g, Bt b
                       float *xf) {
     const float *xs[GROUP];
     void *ys[GROUP];
-    int64_t in = p->in_dim, asz = p->act_bf16 ? 2 : 4;
+    int64_t in = p->in_dim, asz = p->act_bf16 ? 2 : 4, wsz = p->w_bf16 ? 2 : 4;
+    const void *a = (const char *)p->a + s * p->rank * in * wsz;
+#ifdef __AVX512BF16__
+    if (p->act_bf16 && p->w_bf16) { /* bfloat16 dot products straight from x's rows */
+        const uint16_t *xr[GROUP];
+        for (int j = 0; j < GROUP; j++) { /* padding rows repeat the last, as below */
+            int64_t t = rows[j < g ? j : g - 1];
+            xr[j] = (const uint16_t *)p->x + t * p->x_stride;
+            ys[j] = (uint16_t *)p->y + t * p->y_stride;
+        }
+        shrink_dpbf16(xr, GROUP, a, p->rank, in, p->scaling[s], h);
+        expand(p, ys, g, h, bt);
+        return;
+    }
+#endif
     for (int j = 0; j < GROUP; j++) {
         if (j >= g) { /* padding rows repeat the last: computed, never stored */
             xs[j] = xs[g - 1], ys[j] = ys[g - 1];
@@ -152,8 +168,6 @@ static void run_group(const Args *p, int64_t s, const int64_t *rows, int g, Bt b
             xs[j] = (const float *)row;
         }
     }
-    int64_t wsz = p->w_bf16 ? 2 : 4;
-    const void *a = (const char *)p->a + s * p->rank * in * wsz;
     if (p->w_bf16)
         shrink(p, xs, a, p->scaling[s], h, 1);
     else
@@ -182,6 +196,8 @@ static void transpose_b(float *restrict bt, const void *b, int64_t out, int64_t 
         for (int64_t k = 0; k < r; k++) bt[k * out + o] = load1(b, o * so + k * sk, bf16);
 }
 
+static inline int64_t up16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
 /* whether slot s has at most GROUP tokens in start..t1-1 */
 static int few_rows(const int32_t *slots, int64_t start, int64_t t1, int32_t s) {
     int n = 0;
@@ -201,8 +217,9 @@ static int seen(const int32_t *done, int n, int32_t s) {
  * (<= num_slots+1 ints) */
 static void run_range(const Args *p, int64_t t0, int64_t t1, float *scratch) {
     int64_t r = p->rank, out = p->out_dim, wsz = p->w_bf16 ? 2 : 4;
-    float *bt = scratch, *h = scratch + r * out, *xf = h + GROUP * r;
-    int32_t *done = (int32_t *)(xf + GROUP * p->in_dim);
+    /* each region starts on a cache line: a vector load never spans two */
+    float *bt = scratch, *h = bt + up16(r * out), *xf = h + up16(GROUP * r);
+    int32_t *done = (int32_t *)(xf + up16(GROUP * p->in_dim));
     int nd = 0;
     for (int64_t start = t0, next; start < t1; start = next) {
         int32_t s = p->slots[start];
@@ -253,7 +270,8 @@ int epd_lora_apply(void *y, int64_t y_stride, const void *x, int64_t x_stride,
     int64_t work = active * rank * (in_dim + out_dim);
     int n = work < (1 << 20) ? 1 : threads < 1 ? 1 : threads;
     if (n > tokens) n = (int)tokens;
-    size_t floats = (size_t)(rank * out_dim + GROUP * (rank + in_dim) + num_slots + 1);
+    size_t floats = (size_t)(up16(rank * out_dim) + up16(GROUP * rank) + up16(GROUP * in_dim) +
+                             up16(num_slots + 1));
     int failed = 0;
 #pragma omp parallel num_threads(n) if (n > 1) reduction(| : failed)
     {
@@ -266,7 +284,7 @@ int epd_lora_apply(void *y, int64_t y_stride, const void *x, int64_t x_stride,
 #endif
         if (cap < floats) {
             free(buf);
-            buf = malloc(floats * sizeof(float));
+            buf = aligned_alloc(64, floats * sizeof(float)); /* a multiple of 64 bytes */
             cap = buf ? floats : 0;
         }
         if (!buf) {

@@ -70,4 +70,42 @@ static inline v16f reduce16x16(const v16f *v) {
     return __builtin_shufflevector(f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* h[j * r + k] = sc * (x_j . a_k) for `rows` bfloat16 rows x_j (pointers may repeat) and the
+ * r bfloat16 rows of a [r, in], with the CPU's bfloat16 dot product: each float32 lane adds
+ * two exact products per step, rounded once each (denormals flushed), 32 values a step */
+static inline __attribute__((always_inline)) void shrink_dpbf16(const uint16_t *const *xs,
+                                                                int rows, const uint16_t *a,
+                                                                int64_t r, int64_t in, float sc,
+                                                                float *h) {
+    int64_t vec = in & ~(int64_t)31;
+    for (int64_t k0 = 0; k0 < r; k0 += 2) {
+        int64_t ks[2] = {k0, k0 + 1 < r ? k0 + 1 : k0};
+        __m512 acc[2][8];
+        for (int j = 0; j < rows; j++) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < vec; i += 32) {
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(a + ks[0] * in + i);
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(a + ks[1] * in + i);
+            for (int j = 0; j < rows; j++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[j] + i);
+                acc[0][j] = _mm512_dpbf16_ps(acc[0][j], xv, w0);
+                acc[1][j] = _mm512_dpbf16_ps(acc[1][j], xv, w1);
+            }
+        }
+        for (int c = 0; c < 2; c++)
+            for (int j = 0; j < rows; j++) {
+                float tail = 0.0f;
+                for (int64_t i = vec; i < in; i++)
+                    tail = __builtin_fmaf(bits_to_f32((uint32_t)xs[j][i] << 16),
+                                          bits_to_f32((uint32_t)a[ks[c] * in + i] << 16), tail);
+                v16f v;
+                memcpy(&v, &acc[c][j], 64);
+                h[j * r + ks[c]] = (hsum16(v) + tail) * sc;
+            }
+    }
+}
+#endif
+
 #endif
