@@ -28,7 +28,7 @@ import torch
 from epdserve.kernels import native
 from epdserve.kernels.attention_ref import paged_attention_ref
 from epdserve.kernels.cache_ref import reshape_and_cache_ref
-from epdserve.kernels.checks import check_rms_norm, check_rotary
+from epdserve.kernels.checks import check_reshape_and_cache, check_rms_norm, check_rotary
 from epdserve.kernels.norm_ref import rms_norm_ref
 from epdserve.kernels.rotary_ref import rotary_embedding_ref
 
@@ -142,6 +142,13 @@ class NativeBackend(TorchBackend):
 
     def paged_attention(self, *args, **kwargs) -> torch.Tensor:
         return paged_attention_ref(*args, **kwargs)  # decode sequences: the C kernel
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        if native.cache_write_supports(key, value, key_cache, value_cache, slot_mapping):
+            native.cache_write(key, value, key_cache, value_cache, slot_mapping)
+        else:
+            reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
     def rms_norm(self, x, weight, eps, residual=None):
         check_rms_norm(x, weight, eps, residual)

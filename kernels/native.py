@@ -1,6 +1,6 @@
 """CPU kernels in C, built on first use and called via ctypes: paged attention for decode
 (``csrc/paged_decode.c``) and for prefill spans over a cached prefix (``csrc/paged_prefill.c``),
-and the small per-token ops (``csrc/cpu_ops.c``: rotary, RMSNorm).
+and the small per-token ops (``csrc/cpu_ops.c``: rotary, RMSNorm, the KV-cache write).
 
 How the library is built, cached and bound: ``native_build.py``. When no compiler works, or
 ``EPDSERVE_NATIVE_KERNELS=0``, :func:`available` is False and the torch twins are used
@@ -212,3 +212,43 @@ def rms_norm(x, weight, eps: float, residual=None):
     if rc != 0:
         raise MemoryError("rms_norm: no scratch memory")
     return out if residual is None else (out, res_out)
+
+
+def cache_write_supports(key, value, key_cache, value_cache, slot_mapping) -> bool:
+    """Whether :func:`cache_write` takes these tensors (else use the torch twin): rows of
+    ``key``/``value`` and each cache block's rows contiguous, slots int64 or int32."""
+    return (
+        key.device.type == "cpu"
+        and key.dtype in (torch.bfloat16, torch.float32)
+        and all(t.dtype == key.dtype for t in (value, key_cache, value_cache))
+        and _rows_contiguous(key, 1)
+        and _rows_contiguous(value, 1)
+        and _rows_contiguous(key_cache, 2)
+        and _rows_contiguous(value_cache, 2)
+        and slot_mapping.dtype in (torch.int64, torch.int32)
+        and available()
+    )
+
+
+def _rows_contiguous(t: torch.Tensor, first: int) -> bool:
+    """Dims ``first``.. of ``t`` are laid out as one contiguous run."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[first:]), reversed(t.stride()[first:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def cache_write(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """``cache_ref.reshape_and_cache_ref`` as one memcpy per row, on one thread; arguments
+    already checked and :func:`cache_write_supports`."""
+    num_blocks, block_size, kv_heads, head_dim = key_cache.shape
+    slots = slot_mapping.to(torch.int64).contiguous()
+    rc = _load().epd_cache_write(
+        key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), key_cache.data_ptr(),
+        value_cache.data_ptr(), key_cache.stride(0), value_cache.stride(0), slots.data_ptr(),
+        key.shape[0], kv_heads * head_dim, block_size, num_blocks, key.element_size(),
+    )  # fmt: skip
+    if rc != 0:
+        raise IndexError(f"slot_mapping: a slot is outside 0..{num_blocks * block_size - 1}")

@@ -49,6 +49,9 @@ ARGTYPES = {
     ],
     "epd_rotary": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _INT, _INT],
     "epd_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT, _INT],
+    "epd_cache_write": [
+        _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64
+    ],
     "epd_lora_apply": [
         _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
         _I64, _INT, _INT, _INT,

@@ -223,3 +223,29 @@ int epd_rms_norm(const void *x, const void *residual, const void *weight, void *
     free(scratch);
     return 0;
 }
+
+/* reshape_and_cache: token t's key and value rows (kv_heads * head_dim elements, contiguous;
+ * rows key_stride / value_stride elements apart) go to slot slots[t] of the paged caches:
+ * block slot / block_size (blocks k_blk / v_blk elements apart), offset slot % block_size
+ * (rows `row` elements apart inside a block). Negative slots (padding) are skipped. Every slot is
+ * checked before anything is written: returns 1, writing nothing, if one is out of range.
+ * One thread: a memcpy per row, far below what a parallel region costs to start. */
+int epd_cache_write(const void *key, const void *value, int64_t key_stride,
+                    int64_t value_stride, void *key_cache, void *value_cache, int64_t k_blk,
+                    int64_t v_blk, const int64_t *slots, int64_t tokens, int64_t row,
+                    int64_t block_size, int64_t num_blocks, int64_t elsize) {
+    const int64_t capacity = num_blocks * block_size;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] >= capacity) return 1;
+    const char *k = key, *v = value;
+    char *kc = key_cache, *vc = value_cache;
+    const size_t bytes = (size_t)(row * elsize);
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        const int64_t blk = s / block_size, off = s % block_size;
+        memcpy(kc + (blk * k_blk + off * row) * elsize, k + t * key_stride * elsize, bytes);
+        memcpy(vc + (blk * v_blk + off * row) * elsize, v + t * value_stride * elsize, bytes);
+    }
+    return 0;
+}
