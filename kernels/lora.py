@@ -8,6 +8,10 @@ adapter slot ``s = slots[t]`` is not -1 (shapes and numerics: ``lora_ref.py``).
   whole batch whatever its mix of slots (at decode sizes a chain of torch ops per adapter
   costs more in dispatch than in arithmetic: ``bench/lora_kernels.py``).
 - Otherwise (float16 on CPU, no C compiler, ``EPDSERVE_NATIVE_KERNELS=0``): the torch twin.
+
+The stacks may have any strides: ``b_stack`` as a transposed view of ``[S, r, out]`` memory
+(the expand's natural layout) is read in place on both paths; contiguous ``[S, out, r]`` is
+as fast on CPUs (B is transposed in tiles, or read by rows for a slot with a few tokens).
 """
 
 from __future__ import annotations
