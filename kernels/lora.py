@@ -45,9 +45,10 @@ def lora_apply(y, x, slots, a_stack, b_stack, scaling) -> None:
         lora_apply_ref(y, x, slots, a_stack, b_stack, scaling)
 
 
-def lora_apply_native(y, x, slots, a_stack, b_stack, scaling) -> None:
+def lora_apply_native(y, x, slots, a_stack, b_stack, scaling, *, lib=None) -> None:
     """The C kernel on CPU tensors already validated by :func:`check_lora_apply` (bfloat16
-    or float32 activations); checks the slot values itself."""
+    or float32 activations); checks the slot values itself. ``lib``: another build of the
+    library (tests), else the loaded one."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if slots.dtype != torch.int32 or not slots.is_contiguous():
@@ -55,10 +56,11 @@ def lora_apply_native(y, x, slots, a_stack, b_stack, scaling) -> None:
     a, sc = a_stack.contiguous(), scaling.contiguous()
     num_slots, rank, in_dim = a.shape
     b = b_stack  # any strides: a transposed view of [S, r, out] memory is read in place
-    rc = native._load().epd_lora_apply(
+    bf16, w_bf16 = int(y.dtype == torch.bfloat16), int(a.dtype == torch.bfloat16)
+    rc = (lib or native._load()).epd_lora_apply(
         y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), slots.data_ptr(), x.shape[0],
         a.data_ptr(), b.data_ptr(), *b.stride(), sc.data_ptr(), num_slots, rank, in_dim,
-        y.shape[1], int(y.dtype == torch.bfloat16), int(a.dtype == torch.bfloat16), torch.get_num_threads(),
+        y.shape[1], bf16, w_bf16, torch.get_num_threads(),
     )  # fmt: skip
     if rc == -1:
         check_slot_range(slots, num_slots)  # raises, naming the range

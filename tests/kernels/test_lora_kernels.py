@@ -9,14 +9,20 @@ everywhere.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import shutil
+import subprocess
+
 import pytest
 import torch
 
-from epdserve.kernels import native
+from epdserve.kernels import native, native_build
 from epdserve.kernels.lora import lora_apply, lora_apply_native
 from epdserve.kernels.lora_ref import lora_apply_ref
 
-MIXED = [2, -1, 0, 2, 2, 1, -1, 0, 0, 1, 2]  # several slots, not contiguous, with -1 rows
+MIXED = [2, -1, 0, 2, 2, 1, -1, 0, 0, 1, 2]
+BF16, F32 = torch.bfloat16, torch.float32  # several slots, not contiguous, with -1 rows
 
 
 def case(slots, in_dim, out_dim, dtype, *, num_slots=3, r_max=8, ranks=(8, 4, 6), wdtype=None,
@@ -122,6 +128,12 @@ def test_c_kernel_matches_twin_when_slots_have_few_rows(dtype, r_max):
     run_against_twin(lora_apply_native, slots, 48, 40, dtype, r_max=r_max, ranks=(r_max, 5))
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_kernel_takes_an_odd_rank(dtype):
+    run_against_twin(lora_apply_native, MIXED, 40, 50, dtype, r_max=5, ranks=(5, 3))
+
+
 def stored_transposed(b):
     """b [S, out, r] as a view of [S, r, out] memory (the expand's natural layout)."""
     return b.transpose(1, 2).contiguous().transpose(1, 2)
@@ -148,6 +160,21 @@ def test_c_kernel_matches_twin_on_a_threaded_batch(dtype):
     slots = [(t // 9) % 4 - 1 for t in range(200)] + [3, 0, 3, 1]
     run_against_twin(lora_apply_native, slots, 256, 256, dtype, num_slots=4, r_max=16,
                      ranks=(16, 8))  # fmt: skip
+
+
+@needs_native
+@pytest.mark.parametrize(("dtype", "wdtype"), [(BF16, BF16), (BF16, F32), (F32, F32)])
+def test_c_kernel_built_without_avx512_matches_twin(tmp_path, dtype, wdtype):
+    """The portable build (no AVX-512, no AVX512-BF16 dot products, no OpenMP)."""
+    target = tmp_path / "lora_portable.so"
+    cmd = [shutil.which("cc") or "gcc", *native_build.BASE_FLAGS, "-mno-avx512f", "-o",
+           str(target), str(native_build.CSRC / "lora.c"), "-lm"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(target))
+    lib.epd_lora_apply.argtypes = native_build.ARGTYPES["epd_lora_apply"]
+    lib.epd_lora_apply.restype = ctypes.c_int
+    path = functools.partial(lora_apply_native, lib=lib)
+    run_against_twin(path, MIXED + [0] * 6, 40, 50, dtype, wdtype=wdtype, r_max=16, ranks=(16, 7))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
