@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from epdserve.engine.config import EngineConfig, encode_config
-from epdserve.engine.core.core_proc import ABORT, ADD, READY
+from epdserve.engine.core.core_proc import ABORT, ADD, LORA, READY
 from epdserve.engine.core.engine_core import EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutputs, SchedulerStats
 from epdserve.engine.core.pixel_cache import PixelSender
@@ -240,6 +240,14 @@ class AsyncLLM:
             self.metrics.on_request_finished(state)
         elif self.metrics and state.error:
             self.metrics.on_request_error(state.error_cause)
+
+    async def send_lora(self, op: str, lora) -> None:
+        """Tell the core of an adapter: ``add`` (read it now) or ``remove`` (drop it)."""
+        from epdserve.engine.lora.core_side import LoRAMessage
+
+        if self.healthy:
+            frame = self._encode.encode(LoRAMessage(op, lora))
+            await self.input.send_multipart([self.core_identity, LORA, frame])
 
     async def _abort(self, child_ids: list[str]) -> None:
         await self.input.send_multipart([self.core_identity, ABORT, self._encode.encode(child_ids)])

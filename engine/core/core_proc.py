@@ -27,14 +27,16 @@ from epdserve.engine.core.encoder_core import EncoderCore
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.core.interfaces import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from epdserve.engine.core.pixel_cache import PixelReceiver
+from epdserve.engine.lora import core_side as lora_core
 
 log = logging.getLogger("epdserve.core")
 
 # request types, first frame after the envelope
-ADD, ABORT, READY = b"\x00", b"\x01", b"READY"
+ADD, ABORT, LORA, READY = b"\x00", b"\x01", b"\x02", b"READY"
 
 _decode_add = msgspec.msgpack.Decoder(EngineCoreRequest)
 _decode_abort = msgspec.msgpack.Decoder(list[str])
+_decode_lora = msgspec.msgpack.Decoder(lora_core.LoRAMessage)
 _encode = msgspec.msgpack.Encoder()
 
 
@@ -90,6 +92,13 @@ class CoreLoop:
                 self.core.abort_requests(_decode_abort.decode(payload))
             except Exception:  # an abort that cannot be applied must not end the core
                 log.exception("abort message ignored")
+            return
+        if kind == LORA:
+            try:
+                msg = _decode_lora.decode(payload)
+                lora_core.apply_message(self.core.lora, self.core.scheduler, msg)
+            except Exception:  # a message that cannot be applied must not end the core
+                log.exception("LoRA message ignored")
             return
         if kind != ADD:
             log.warning("ignoring message of unknown type %r", kind)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from epdserve.engine.core.interfaces import EngineCoreOutput
 from epdserve.engine.core.request import RequestStatus
 from epdserve.engine.lora.manager import LoRAManager
@@ -39,6 +41,31 @@ def check_request(manager: LoRAManager | None, lora: LoRARequest | None) -> None
             "adapters (--enable-lora is off)"
         )
     manager.prefetch(lora)
+
+
+class LoRAMessage(msgspec.Struct, array_like=True):
+    """The API process's word on an adapter: ``add`` (read it now, so its first request does
+    not wait for the disk) or ``remove`` (it is unloaded: drop its weights and its slot)."""
+
+    op: str
+    lora: LoRARequest
+
+
+def apply_message(manager: LoRAManager | None, queues: RequestQueues, msg: LoRAMessage) -> None:
+    """``add``: start reading; ``remove``: forget the adapter, unless a live request still
+    uses it (it is then evicted as any other, least recently used first)."""
+    if manager is None:
+        return
+    if msg.op == "add":
+        manager.prefetch(msg.lora)
+    elif msg.op == "remove":
+        lid = msg.lora.lora_int_id
+        if not any(
+            r.lora is not None and r.lora.lora_int_id == lid for r in queues.requests.values()
+        ):
+            manager.forget(lid)
+    else:
+        raise ValueError(f"op: must be add or remove, got {msg.op!r}")
 
 
 def take_failures(queues: RequestQueues) -> list[EngineCoreOutput]:

@@ -167,6 +167,16 @@ class LoRAManager:
             self.slot_owner[slot] = None
             self.names.pop(lid, None)
 
+    def forget(self, lid: int) -> None:
+        """Drop adapter ``lid`` everywhere (no live request may use it): its slot, its host
+        weights, a read in flight, a remembered failure."""
+        self.release(lid)
+        self.host.pop(lid, None)
+        self.failed.pop(lid, None)
+        future = self.loading.pop(lid, None)
+        if future is not None:
+            future.cancel()
+
     def _write(self, slot: int, scaling: float, weights: dict) -> None:
         for layer, stacks in enumerate(self.stacks):
             for module, (a_stack, b_stack) in stacks.items():

@@ -71,3 +71,46 @@ def test_an_unreadable_adapter_fails_with_its_reason(setup, tmp_path):
     with pytest.raises(LoRALoadError):  # remembered: not read again
         manager.acquire(missing, set())
     manager.close()
+
+
+def test_an_unloaded_adapter_leaves_its_slot_and_host_memory(setup):
+    from types import SimpleNamespace
+
+    from epdserve.engine.lora.core_side import LoRAMessage, apply_message
+
+    cfg, (a, b, _) = setup
+    manager = LoRAManager(cfg, 2, 16, 2, torch.float32, torch.device("cpu"))
+    assert placed(manager, a) and placed(manager, b)
+    user = SimpleNamespace(lora=b)  # a live request of b keeps it
+    queues = SimpleNamespace(requests={"r": user})
+    for lora in (a, b):
+        apply_message(manager, queues, LoRAMessage("remove", lora))
+    assert manager.slot_of(a) == -1 and a.lora_int_id not in manager.host
+    assert manager.slot_of(b) == 1 and b.lora_int_id in manager.host
+    apply_message(manager, queues, LoRAMessage("add", a))  # read again, ahead of requests
+    assert a.lora_int_id in manager.loading or a.lora_int_id in manager.host
+    manager.close()
+
+
+def test_the_core_fails_a_request_whose_adapter_cannot_be_read_and_serves_the_rest(
+    models, tmp_path
+):
+    from epdserve.engine.config import EngineConfig
+    from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
+    from epdserve.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(models.get("llama")), dtype="float32", enable_lora=True)
+    core = EngineCore(config)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    gone = LoRARequest("gone", 5, str(tmp_path / "gone"))  # deleted after the API's check
+    core.add_request(EngineCoreRequest("bad", [5, 6, 7], params, lora_request=gone))
+    core.add_request(EngineCoreRequest("base", [5, 6, 7], params))
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs += core.step()
+    failed = [o for o in outputs if o.request_id == "bad"]
+    assert len(failed) == 1 and failed[0].error_status == 400
+    assert "'gone': lora_path: " in failed[0].error and "is not a directory" in failed[0].error
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "base") == 2
+    assert core.kv.num_free_blocks() == core.num_blocks - 1
+    core.close()

@@ -120,13 +120,10 @@ def test_load_serve_unload_and_a_request_for_an_unloaded_adapter(pod, client, ad
     with pytest.raises(openai.NotFoundError):
         complete(client, "lora2")
     assert post(pod, "/v1/unload_lora_adapter", {"lora_name": "lora2"}).status_code == 404
-    # files gone after the check: the core cannot read them, the request gets a 400
-    post(pod, "/v1/load_lora_adapter", {"lora_name": "lora3", "lora_path": str(path)})
-    shutil.rmtree(path)
-    with pytest.raises(openai.BadRequestError, match="lora3"):
-        complete(client, "lora3")
+    shutil.rmtree(path)  # gone: loading it again is refused, naming why
+    r = post(pod, "/v1/load_lora_adapter", {"lora_name": "lora2", "lora_path": str(path)})
+    assert r.status_code == 400 and "is not a directory" in r.json()["error"]["message"]
     assert complete(client, "lora0")
-    assert post(pod, "/v1/unload_lora_adapter", {"lora_name": "lora3"}).status_code == 200
 
 
 @pytest.mark.parametrize("times", [10, pytest.param(100, marks=pytest.mark.slow)])

@@ -64,12 +64,13 @@ def install_lora_routes(app: FastAPI, state) -> None:
         registry = _registry(state)
         async with state.lora_lock:
             if req.load_inplace and registry.get(req.lora_name) is not None:
-                registry.remove(req.lora_name)
+                await state.engine.send_lora("remove", registry.remove(req.lora_name))
             try:  # the adapter's config and header are read off the event loop
-                await asyncio.to_thread(registry.add, req.lora_name, req.lora_path)
+                lora = await asyncio.to_thread(registry.add, req.lora_name, req.lora_path)
             except ValueError as exc:
                 param = "lora_name" if str(exc).startswith("lora_name") else "lora_path"
                 raise APIError(400, str(exc), param) from None
+            await state.engine.send_lora("add", lora)  # the core reads it now
         log.info("loaded LoRA adapter %s from %s", req.lora_name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
@@ -77,10 +78,12 @@ def install_lora_routes(app: FastAPI, state) -> None:
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
         registry = _registry(state)
         async with state.lora_lock:
-            if registry.remove(req.lora_name) is None:
+            lora = registry.remove(req.lora_name)
+            if lora is None:
                 raise APIError(
                     404, f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name"
                 )
+            await state.engine.send_lora("remove", lora)
         log.info("unloaded LoRA adapter %s", req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
