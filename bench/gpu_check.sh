@@ -2,7 +2,8 @@
 # The GPU check (issue #16), one script, at most ~8 minutes, for a machine with a CUDA GPU:
 #   1. the engine token-exact on the GPU: the Triton backend against the torch backend (fp32);
 #   2. decode attention's HBM bandwidth with the Triton backend, as a share of the device's
-#      peak (goal >= 0.6), and the offline engine's throughput with the Triton backend.
+#      peak (goal >= 0.6), and the offline engine's throughput with the Triton backend;
+#   3. the LoRA Triton kernel against its torch twin, fp32 and bf16 (issue #29, ~1 minute).
 # Everything is printed; JSON results also go to $OUT (or ./gpu-check-out).
 #   PY=python3 bench/gpu_check.sh        # a Python with CUDA torch, triton and the project
 set -uo pipefail
