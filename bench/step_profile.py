@@ -3,7 +3,7 @@
 The workload is the served side by side's case (c): a 512-token prefix already cached, then
 64 prompts of that prefix plus 128 new tokens each, 128 tokens out (tiny llama, bf16). The
 child process runs ``LLM.generate``; py-spy samples it; each sample is put in the first
-category whose frame it is in (innermost first). ``--prefill sdpa`` runs prefill over a
+category (in the order of ``CATEGORIES``) that one of its frames is in. ``--prefill sdpa`` runs prefill over a
 cached prefix as before the C prefill kernel (per sequence, torch SDPA).
 
     .venv/bin/python bench/step_profile.py [--prefill kernel|sdpa] [--block-size 128]
@@ -24,9 +24,8 @@ from collections import Counter
 
 # (category, frame-name fragments): the innermost frame that matches decides
 CATEGORIES = [
-    ("attention: prefill over cached prefix", ("_prefill_native", "_prefill_one")),
+    ("attention: prefill (spans over the cached prefix)", ("_prefill_native", "_prefill_one")),
     ("attention: decode", ("_decode_native", "paged_decode")),
-    ("attention: plain prompts (SDPA)", ("scaled_dot_product", "_attend")),
     ("KV cache write", ("reshape_and_cache",)),
     ("rotary + norms", ("rotary_embedding", "rms_norm")),
     ("MLP", ("_mlp",)),
@@ -72,11 +71,10 @@ def categorize(raw_lines) -> Counter:
             continue
         frames = stack.split(";")
         label = "other Python / torch"
-        for frame in reversed(frames):
-            name = frame.split(" (")[0]
-            hit = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), None)
-            if hit:
-                label = hit
+        names = [frame.split(" (")[0] for frame in frames]
+        for category, keys in CATEGORIES:  # the first category any frame is in
+            if any(k in name for name in names for k in keys):
+                label = category
                 break
         counts[label] += int(n)
     return counts
