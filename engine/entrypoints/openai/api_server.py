@@ -34,6 +34,7 @@ from epdserve.engine.entrypoints.openai.limits import RequestLimits
 from epdserve.engine.entrypoints.openai.lora_routes import (
     install_lora_routes,
     lora_model_cards,
+    preload_loras,
     setup_lora,
 )
 from epdserve.engine.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
@@ -94,6 +95,7 @@ class ServerState:
             log.exception("engine failed to start")
             await self.engine.shutdown()
             raise
+        await preload_loras(self)  # --lora-modules: read by the core ahead of their requests
         self.ready = True
         self.metrics.engine_up.set(1)
         log.info("ready: serving %s", self.model_name)

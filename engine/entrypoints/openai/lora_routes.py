@@ -34,6 +34,14 @@ def setup_lora(state) -> None:
     state.lora_lock = asyncio.Lock()
 
 
+async def preload_loras(state) -> None:
+    """Have the core read the ``--lora-modules`` adapters now (their first requests then wait
+    for no disk)."""
+    if state.serving.loras is not None:
+        for lora in state.serving.loras.adapters.values():
+            await state.engine.send_lora("add", lora)
+
+
 def lora_model_cards(state) -> list[dict]:
     """One ``/v1/models`` entry per adapter, after the base model's."""
     registry = state.serving.loras
