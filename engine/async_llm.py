@@ -185,7 +185,9 @@ class AsyncLLM:
         if self.dead:
             raise EngineDeadError(self.dead)
         request_id = request_id or uuid.uuid4().hex
-        state, children = fan_out(request_id, params, self.tokenizer, time.monotonic())
+        state, children = fan_out(
+            request_id, params, self.tokenizer, time.monotonic(), self.config.stream_interval
+        )
         if request_id in self.states or any(c in self.child_to_state for c, _ in children):
             raise RequestFailedError(f"request id {request_id} is already in flight", 500)
         state.label = label  # for the output loop's test fault injection

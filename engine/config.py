@@ -43,6 +43,11 @@ class EngineConfig:
     )
     max_num_seqs: int = setting(256, "most sequences running at once")
     max_num_batched_tokens: int = setting(2048, "most tokens one step computes")
+    stream_interval: int = setting(
+        1,
+        "a stream's tokens go out in chunks of this many (its first token and its end at "
+        "once): larger chunks cost the API process less per token",
+    )
     max_model_len: int | None = setting(None, "longest sequence (default: the model's)")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a cached prefix")
     # connectors move every layer of a block together: a KV connector forces one group too
@@ -111,7 +116,7 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

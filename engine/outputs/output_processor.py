@@ -59,8 +59,10 @@ class RequestState:
         params: SamplingParams,
         tok: TokenizerInfo,
         arrival: float,
+        stream_interval: int = 1,
     ):
         self.request_id = request_id
+        self.stream_interval = stream_interval  # DELTA: tokens per read after the first
         self.params = params
         self.kind = params.output_kind
         self.seqs = {
@@ -128,8 +130,21 @@ class RequestState:
         while True:
             await self.event.wait()
             self.event.clear()
-            if self.kind != RequestOutputKind.FINAL_ONLY or self.finished:
+            if self.ready():
                 return self._snapshot()
+
+    def ready(self) -> bool:
+        """Whether a read now returns: FINAL_ONLY at the end; DELTA at the end, for a
+        sequence's first token, or once ``stream_interval`` tokens wait; CUMULATIVE always."""
+        if self.finished or self.kind == RequestOutputKind.CUMULATIVE:
+            return True
+        if self.kind == RequestOutputKind.FINAL_ONLY:
+            return False
+        if self.stream_interval == 1:
+            return True
+        waiting = [len(s.token_ids) - s.sent_tokens for s in self.seqs.values()]
+        firsts = any(s.sent_tokens == 0 and s.token_ids for s in self.seqs.values())
+        return firsts or max(waiting) >= self.stream_interval
 
     def _snapshot(self) -> StreamOutput:
         delta = self.kind == RequestOutputKind.DELTA
@@ -173,7 +188,11 @@ class RequestState:
 
 
 def fan_out(
-    request_id: str, params: SamplingParams, tok: TokenizerInfo, arrival: float
+    request_id: str,
+    params: SamplingParams,
+    tok: TokenizerInfo,
+    arrival: float,
+    stream_interval: int = 1,
 ) -> tuple[RequestState, list[tuple[str, SamplingParams]]]:
     """One request's state and its ``n`` engine sequences: ``(child id, parameters)`` (the
     request id itself when ``n`` is 1; each child of a seeded request gets its own seed)."""
@@ -181,7 +200,9 @@ def fan_out(
         children = [(request_id, params)]
     else:
         children = [(f"{request_id}-{i}", params.for_child(i)) for i in range(params.n)]
-    state = RequestState(request_id, [c for c, _ in children], params, tok, arrival)
+    state = RequestState(
+        request_id, [c for c, _ in children], params, tok, arrival, stream_interval
+    )
     return state, children
 
 
