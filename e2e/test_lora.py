@@ -6,6 +6,7 @@ named by `path` sources. The official `openai` client, through the pool's Servic
 router), gets for the base model and each adapter name the answer a single
 `epdserve serve --enable-lora` process (outside the cluster, same checkpoint and adapters)
 gives; mixed concurrently they still do; an adapter nobody serves is a 404 through the router.
+Unmarked (not slow): ~25-35 s on the 2 shared cores, like the other e2e scenarios.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import httpx
 import openai
 import pytest
 from cluster import wait_for
-from pools_e2e import NS, example, for_this_machine, readable_copy, write
+from pools_e2e import NS, example, for_this_machine, readable_copy, ready_pod_ips, write
+
+from epdserve.common import metrics_text
 
 pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent
@@ -82,7 +85,7 @@ def single_pod(model: Path, served: str, engine: dict, log: Path):
         return httpx.get(url + "/ready", timeout=2).status_code == 200
 
     try:
-        yield proc, url, ready
+        yield url, ready
     finally:
         proc.terminate()
         try:
@@ -102,10 +105,18 @@ def chat(base: str, model: str) -> tuple[str, str, int, str]:
     return out.model, choice.message.content, out.usage.completion_tokens, choice.finish_reason
 
 
+def served_per_adapter(ips: list[str]) -> dict[str, float]:
+    pages = [httpx.get(f"http://{ip}:8000/metrics", timeout=10).text for ip in ips]
+    name = "epdserve:lora_requests_total"
+    return {a: sum(metrics_text.total(p, name, lora_name=a) for p in pages) for a in ADAPTERS}
+
+
 def test_the_lora_pool_answers_each_adapter_through_its_router_as_a_single_pod(
     cluster, lora_model, tmp_path
 ):
-    pool = for_this_machine(example("inferencepool-lora"), IMAGE_MODEL, {"router": 1})
+    # one engine replica (the example has two): the pool's start stays within ~30 s here
+    replicas = {"colocated": 1, "router": 1}
+    pool = for_this_machine(example("inferencepool-lora"), IMAGE_MODEL, replicas)
     name, served = pool["metadata"]["name"], pool["spec"]["model"]["name"]
     assert set(ADAPTERS) == {a["name"] for a in pool["spec"]["lora"]["adapters"]}
     pool["spec"]["lora"]["adapters"] = [
@@ -115,7 +126,7 @@ def test_the_lora_pool_answers_each_adapter_through_its_router_as_a_single_pod(
     log = tmp_path / "single-pod.log"
     with (
         in_image(cluster, IMAGE_MODEL, lora_model),
-        single_pod(lora_model, served, pool["spec"]["engine"], log) as (_, single, ready),
+        single_pod(lora_model, served, pool["spec"]["engine"], log) as (single, ready),
     ):
         cluster.kubectl("apply", "--validate=false", "-f", write(tmp_path, pool))
         try:
@@ -137,8 +148,15 @@ def test_the_lora_pool_answers_each_adapter_through_its_router_as_a_single_pod(
             assert all(w[0] == m and w[2] == MAX_TOKENS for m, w in want.items())
             texts = [w[1] for w in want.values()]
             assert len(set(texts)) == len(texts), f"adapters changed nothing: {texts}"
-            with pytest.raises(openai.NotFoundError):
+            with pytest.raises(openai.NotFoundError, match="no-such-adapter"):
                 chat(router, "no-such-adapter")
+            # the pool's engines ran each routed request with its adapter: 1 + 2 per name
+            engines = ready_pod_ips(cluster, f"epdserve.io/pool={name}")
+            wait_for(
+                lambda: served_per_adapter(engines) == dict.fromkeys(ADAPTERS, 3.0),
+                30,
+                "the engines' per-adapter counters",
+            )
         finally:
             cluster.kubectl("delete", "ipool", name, "--ignore-not-found", check=False)
             wait_for(
