@@ -5,8 +5,9 @@ adapters `make-model --lora 3` writes, all baked into the engine image at /opt/l
 named by `path` sources. The official `openai` client, through the pool's Service (the
 router), gets for the base model and each adapter name the answer a single
 `epdserve serve --enable-lora` process (outside the cluster, same checkpoint and adapters)
-gives; mixed concurrently they still do; an adapter nobody serves is a 404 through the router.
-Unmarked (not slow): ~25-35 s on the 2 shared cores, like the other e2e scenarios.
+gives, plain and streamed; mixed concurrently they still do; an adapter nobody serves is a 404 through the router.
+Not marked slow: it costs what test_colocated.py's first scenario does (one engine and a
+router start, plus the single pod alongside; 23-45 s here under other sessions' load).
 """
 
 from __future__ import annotations
@@ -105,6 +106,27 @@ def chat(base: str, model: str) -> tuple[str, str, int, str]:
     return out.model, choice.message.content, out.usage.completion_tokens, choice.finish_reason
 
 
+def streamed(base: str, model: str) -> tuple[str, str, int, str]:
+    """chat()'s tuple, from a streamed answer (usage from the last chunk)."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert {c.model for c in chunks} == {model}
+    return model, text, chunks[-1].usage.completion_tokens, finish[-1]
+
+
 def served_per_adapter(ips: list[str]) -> dict[str, float]:
     pages = [httpx.get(f"http://{ip}:8000/metrics", timeout=10).text for ip in ips]
     name = "epdserve:lora_requests_total"
@@ -139,8 +161,9 @@ def test_the_lora_pool_answers_each_adapter_through_its_router_as_a_single_pod(
             assert {m.id for m in listing.models.list()} >= set(models)
 
             want = {model: chat(single, model) for model in models}
-            for model in models:  # one at a time, then all at once (a mixed batch)
+            for model in models:  # one at a time, streamed too, then all at once (mixed)
                 assert chat(router, model) == want[model], model
+                assert streamed(router, model) == want[model], model
             with ThreadPoolExecutor(len(models) * 2) as executor:
                 got = list(executor.map(lambda m: chat(router, m), models * 2))
             assert got == [want[m] for m in models * 2]
@@ -150,10 +173,10 @@ def test_the_lora_pool_answers_each_adapter_through_its_router_as_a_single_pod(
             assert len(set(texts)) == len(texts), f"adapters changed nothing: {texts}"
             with pytest.raises(openai.NotFoundError, match="no-such-adapter"):
                 chat(router, "no-such-adapter")
-            # the pool's engines ran each routed request with its adapter: 1 + 2 per name
+            # the pool's engines ran each routed request with its adapter: 2 + 2 per name
             engines = ready_pod_ips(cluster, f"epdserve.io/pool={name}")
             wait_for(
-                lambda: served_per_adapter(engines) == dict.fromkeys(ADAPTERS, 3.0),
+                lambda: served_per_adapter(engines) == dict.fromkeys(ADAPTERS, 4.0),
                 30,
                 "the engines' per-adapter counters",
             )
