@@ -4,11 +4,16 @@ files against the base model) and given a pod-local int id, never reused."""
 from __future__ import annotations
 
 import itertools
+import re
 
 from epdserve.engine.lora.peft_files import inspect_adapter
 from epdserve.engine.lora.request import LoRARequest
 from epdserve.engine.lora.settings import parse_lora_module
 from epdserve.engine.models.config import load_model_config
+
+# a name is a model id, a metrics label and a log field: printable, no spaces, bounded
+NAME = re.compile(r"[!-~]{1,256}")
+MAX_ADAPTERS = 1024  # a pod's registry (runtime loads included) stays bounded
 
 
 class LoRARegistry:
@@ -24,6 +29,13 @@ class LoRARegistry:
         wrong (the name is taken, a file is missing or malformed, rank, target modules)."""
         if not name:
             raise ValueError("lora_name: must be a non-empty string")
+        if not NAME.fullmatch(name):
+            raise ValueError(
+                "lora_name: must be 1-256 printable ASCII characters without spaces, "
+                f"got {name[:64]!r}"
+            )
+        if len(self.adapters) >= MAX_ADAPTERS:
+            raise ValueError(f"lora_name: this pod already serves {MAX_ADAPTERS} adapters")
         if name == self.base_model_name:
             raise ValueError(f"lora_name: {name!r} is the served base model's name")
         if name in self.adapters:
