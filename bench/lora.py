@@ -39,7 +39,7 @@ from pathlib import Path
 
 import vs_vllm_env as env
 import vs_vllm_settings as sets
-from vs_vllm import best_variant, summarize
+from vs_vllm import best_variant, median, summarize
 from vs_vllm_serve import CASES, WARM_UP, Server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -146,6 +146,14 @@ def probe_check(ours: dict, vllm: dict | None, names: list[str]) -> dict:
     return out
 
 
+def server_cpu(result: dict) -> dict[str, float]:
+    """Median over rounds of the server's CPU seconds per run (all its processes), per
+    traffic: the work a run took, less moved by other load than its wall time."""
+    return {
+        t: median([sum(r["server_cpu_s"].values()) for r in result["runs"][t]]) for t in TRAFFIC
+    }
+
+
 def aggregate(ours: dict, vllm: dict[str, dict], names: list[str]) -> dict:
     """Medians per engine and traffic, vLLM's best variant per traffic, and the ratios.
 
@@ -156,16 +164,21 @@ def aggregate(ours: dict, vllm: dict[str, dict], names: list[str]) -> dict:
         _ratio(m[METRIC], b[METRIC])
         for m, b in zip(ours["runs"]["mixed"], ours["runs"]["base"], strict=True)
     ]
+    cpu = server_cpu(ours)
     out = {
-        "epdserve": {"median": med, "mixed_over_base_per_round": per_round},
-        "ratios": {"ours_mixed_over_base": _ratio(med["mixed"][METRIC], med["base"][METRIC])},
+        "epdserve": {"median": med, "mixed_over_base_per_round": per_round, "server_cpu_s": cpu},
+        "ratios": {
+            "ours_mixed_over_base": _ratio(med["mixed"][METRIC], med["base"][METRIC]),
+            "ours_server_cpu_base_over_mixed": _ratio(cpu["base"], cpu["mixed"]),
+        },
     }
     ran = {v: r for v, r in vllm.items() if "runs" in r}
     if ran:
         theirs = {}
         for t in TRAFFIC:
             best = best_variant({v: r["runs"][t] for v, r in ran.items()}, METRIC)
-            theirs[t] = {"variant": best, "median": summarize(ran[best]["runs"][t])["median"]}
+            theirs[t] = {"variant": best, "median": summarize(ran[best]["runs"][t])["median"],
+                         "server_cpu_s": server_cpu(ran[best])[t]}  # fmt: skip
         theirs["variants"] = {
             v: {t: summarize(r["runs"][t])["median"] for t in TRAFFIC} for v, r in ran.items()
         }

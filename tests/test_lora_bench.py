@@ -13,8 +13,10 @@ NAMES = ["lora0", "lora1", "lora2", "lora3"]
 
 
 def run(tok_s: float, ttft: float = 100.0) -> dict:
+    """A run whose server CPU seconds are 20 x 128 / tok_s (as if CPU-bound)."""
     return {"output_throughput": tok_s, "request_throughput": tok_s / 128,
-            "median_ttft_ms": ttft, "median_itl_ms": 5.0, "server_cpu_s": {"x:1": 1.0}}  # fmt: skip
+            "median_ttft_ms": ttft, "median_itl_ms": 5.0,
+            "server_cpu_s": {"api:1": 1.0, "core:2": 20 * 128 / tok_s - 1.0}}  # fmt: skip
 
 
 def engine(base: list[float], mixed: list[float], probe: dict | None = None) -> dict:
@@ -27,7 +29,7 @@ def test_ours_mixed_over_base_from_medians_and_per_round():
     out = bench.aggregate(engine([100.0, 300.0, 200.0], [90.0, 150.0, 160.0]), {}, NAMES)
     assert out["epdserve"]["median"]["base"]["output_throughput"] == 200.0
     assert out["epdserve"]["median"]["mixed"]["output_throughput"] == 150.0
-    assert out["ratios"] == {"ours_mixed_over_base": 0.75}
+    assert out["ratios"] == {"ours_mixed_over_base": 0.75, "ours_server_cpu_base_over_mixed": 0.75}
     assert out["epdserve"]["mixed_over_base_per_round"] == [0.9, 0.5, 0.8]
     assert out["goals"]["ours_mixed_over_base"] == {"goal": 0.7, "value": 0.75, "met": True}
     assert out["goals"]["ours_over_vllm_mixed"]["met"] is False
@@ -49,6 +51,8 @@ def test_vllm_best_variant_is_chosen_per_traffic_and_failed_variants_are_skipped
     assert out["ratios"]["ours_over_vllm_base"] == 2.0
     assert out["ratios"]["vllm_mixed_over_base"] == 0.9
     assert out["ratios"]["ours_mixed_over_base"] == 0.9
+    assert out["ratios"]["ours_server_cpu_base_over_mixed"] == 0.9
+    assert out["vllm"]["mixed"]["server_cpu_s"] == 20 * 128 / 90.0
     assert out["goals"]["ours_over_vllm_mixed"]["met"] is True
 
 
