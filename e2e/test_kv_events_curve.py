@@ -53,7 +53,8 @@ def pod_ip(cluster, selector: str) -> str:
 def test_the_router_indexes_the_engines_events_over_curve(cluster, pool):
     router = pod_ip(cluster, f"epdserve.io/router={NAME}")
     served = pool["spec"]["model"]["name"]
-    chat = {"model": served, "messages": [{"role": "user", "content": "def fib(n):" * 8}]}
+    # longer than one 128-token block (the cpu default): only full blocks make events
+    chat = {"model": served, "messages": [{"role": "user", "content": "def fib(n):" * 40}]}
     response = httpx.post(
         f"http://{router}:8000/v1/chat/completions", json={**chat, "max_tokens": 4}, timeout=60
     )
