@@ -25,6 +25,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held open while choosing: one at a time, the kernel
+    may hand the same port out twice, and a pod's HTTP and event sockets then collide)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -62,7 +75,7 @@ class Proc:
 
 def start_standin(model_dir, log_dir: Path, **options) -> Proc:
     """A STAND-IN engine pod (tests/router/standin_pod.py) on free ports."""
-    port, events, replay = free_port(), free_port(), free_port()
+    port, events, replay = free_ports(3)
     args = [sys.executable, str(HERE / "standin_pod.py"), "--port", str(port)]
     args += ["--events-port", str(events), "--replay-port", str(replay), "--model", str(model_dir)]
     for key, value in options.items():
@@ -82,7 +95,7 @@ def start_serve(model_dir, log_dir: Path, *flags: str) -> Proc:
     """A real ``epdserve serve`` pod with KV events on free ports; waits for /ready."""
     import json
 
-    port, events, replay = free_port(), free_port(), free_port()
+    port, events, replay = free_ports(3)
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
