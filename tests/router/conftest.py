@@ -212,3 +212,21 @@ def module_spawn(tmp_path_factory):
     spawner = Spawner(tmp_path_factory.mktemp("procs"))
     yield spawner
     spawner.close()
+
+
+@pytest.fixture
+def lora_pods():
+    """Makes stand-in LoRA pods (tests/router/lora_pods.py), closed after the test."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from lora_pods import LoraPod
+
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(LoraPod(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for pod in made:
+        pod.close()

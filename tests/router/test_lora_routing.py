@@ -24,19 +24,6 @@ BS = 4
 PROMPT = list(range(100, 116))  # 4 blocks of 4
 
 
-@pytest.fixture
-def pods():
-    made = []
-
-    def make(*args, **kwargs) -> LoraPod:
-        made.append(LoraPod(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for pod in made:
-        pod.close()
-
-
 def run(coro_fn, *routers):
     async def main():
         async with httpx.AsyncClient(timeout=10) as client:
@@ -70,8 +57,8 @@ def test_the_model_list_names_the_base_and_the_adapters():
         parse_models({"object": "list"})
 
 
-def test_the_router_learns_each_pods_adapters_and_slots(pods):
-    a, b = pods("a", ["sql"], max_lora=4), pods("b", [], max_lora=1)
+def test_the_router_learns_each_pods_adapters_and_slots(lora_pods):
+    a, b = lora_pods("a", ["sql"], max_lora=4), lora_pods("b", [], max_lora=1)
     a.running_adapters = ["sql"]
     router = make_router([a, b])
 
@@ -85,9 +72,9 @@ def test_the_router_learns_each_pods_adapters_and_slots(pods):
     assert not views["a"].holds("chat")
 
 
-def test_a_request_for_an_adapter_goes_to_the_pods_holding_it(pods):
+def test_a_request_for_an_adapter_goes_to_the_pods_holding_it(lora_pods):
     # b is idle and a busy, but only a holds the adapter; the base model goes by load
-    a, b = pods("a", ["sql"], running=3), pods("b", ["chat"])
+    a, b = lora_pods("a", ["sql"], running=3), lora_pods("b", ["chat"])
     router = make_router([a, b])
 
     async def requests(client):
@@ -104,8 +91,8 @@ def test_a_request_for_an_adapter_goes_to_the_pods_holding_it(pods):
     assert routed(router, "sql") == 1
 
 
-def test_an_adapter_no_pod_holds_gets_404_without_dynamic_loading(pods):
-    a = pods("a", ["sql"])
+def test_an_adapter_no_pod_holds_gets_404_without_dynamic_loading(lora_pods):
+    a = lora_pods("a", ["sql"])
     policy = AdapterPolicy(sources={"chat": "/a/chat"})  # a source, but loading is off
     router = make_router([a], policy)
 
@@ -118,8 +105,8 @@ def test_an_adapter_no_pod_holds_gets_404_without_dynamic_loading(pods):
     assert a.bodies == [] and a.loads == []
 
 
-def test_without_a_served_name_a_listed_adapter_is_still_an_adapter(pods):
-    a, b = pods("a", ["sql"], running=3), pods("b", [])
+def test_without_a_served_name_a_listed_adapter_is_still_an_adapter(lora_pods):
+    a, b = lora_pods("a", ["sql"], running=3), lora_pods("b", [])
     router = make_router([a, b], served=None)
 
     async def request(client):
@@ -140,9 +127,9 @@ def stored(pod_router, pod: str, lora: str | None, hashes) -> None:
     pod_router.index.apply(pod, EventBatch(0.0, [event], 0))
 
 
-def test_prefix_hits_count_only_within_the_adapter(pods):
+def test_prefix_hits_count_only_within_the_adapter(lora_pods):
     # a caches the prompt for the base model, b for the adapter; both hold the adapter
-    a, b = pods("a", ["sql"]), pods("b", ["sql"])
+    a, b = lora_pods("a", ["sql"]), lora_pods("b", ["sql"])
     router = make_router([a, b])
     stored(router, "a", None, [11, 12, 13])
     stored(router, "b", "sql", [21, 22])
@@ -159,9 +146,9 @@ def test_prefix_hits_count_only_within_the_adapter(pods):
     assert answer["pod"] == "b" and base.order[0].pod == "a"
 
 
-def test_a_pod_that_no_longer_lists_the_adapter_gets_none_of_its_requests(pods):
+def test_a_pod_that_no_longer_lists_the_adapter_gets_none_of_its_requests(lora_pods):
     # b has the longest prefix for the adapter's blocks, but it unloaded the adapter
-    a, b = pods("a", ["sql"]), pods("b", [])
+    a, b = lora_pods("a", ["sql"]), lora_pods("b", [])
     router = make_router([a, b])
     stored(router, "b", "sql", [21, 22, 23])
 

@@ -9,29 +9,15 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
 from epdserve.common import metrics_text
 from epdserve.router.lora import AdapterPolicy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_pods import LoraPod, make_router, scrape, send  # noqa: E402
+from lora_pods import make_router, scrape, send  # noqa: E402
 
 POLICY = AdapterPolicy(sources={"sql": "/a/sql"}, dynamic=True, spread_load=4.0)
 SQL = {"model": "sql", "prompt": "select"}
-
-
-@pytest.fixture
-def pods():
-    made = []
-
-    def make(*args, **kwargs) -> LoraPod:
-        made.append(LoraPod(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for pod in made:
-        pod.close()
 
 
 def run(coro_fn, router):
@@ -50,9 +36,9 @@ def counted(router, name: str, **labels: str) -> float:
     return metrics_text.total(router.metrics.render().decode(), name, **labels)
 
 
-def test_an_adapter_no_pod_holds_is_loaded_once_for_concurrent_requests(pods):
-    a = pods("a", ["chat"], max_lora=2)  # one slot left
-    b = pods("b", [], max_lora=2)  # two free: the adapter goes here
+def test_an_adapter_no_pod_holds_is_loaded_once_for_concurrent_requests(lora_pods):
+    a = lora_pods("a", ["chat"], max_lora=2)  # one slot left
+    b = lora_pods("b", [], max_lora=2)  # two free: the adapter goes here
     b.load_gate.clear()  # the load waits until every request waits on it
     router = make_router([a, b], POLICY)
 
@@ -79,9 +65,9 @@ def test_an_adapter_no_pod_holds_is_loaded_once_for_concurrent_requests(pods):
     assert counted(router, routed, pod="b", reason="lora_loaded") == 8
 
 
-def test_a_failed_load_moves_on_to_the_next_pod(pods):
-    a = pods("a", [], max_lora=2, running=2)  # busier: the second choice
-    b = pods("b", [], max_lora=2)
+def test_a_failed_load_moves_on_to_the_next_pod(lora_pods):
+    a = lora_pods("a", [], max_lora=2, running=2)  # busier: the second choice
+    b = lora_pods("b", [], max_lora=2)
     b.load_error = (400, "lora_path: rank 64 is above --max-lora-rank 16")
     router = make_router([a, b], POLICY)
 
@@ -96,8 +82,8 @@ def test_a_failed_load_moves_on_to_the_next_pod(pods):
     assert counted(router, loads, lora_name="sql", outcome="loaded") == 1
 
 
-def test_when_every_load_fails_the_client_gets_an_openai_error_naming_each_pod(pods):
-    a, b = pods("a", [], max_lora=2), pods("b", [], max_lora=2)
+def test_when_every_load_fails_the_client_gets_an_openai_error_naming_each_pod(lora_pods):
+    a, b = lora_pods("a", [], max_lora=2), lora_pods("b", [], max_lora=2)
     a.load_error = (400, "adapter_config.json: missing")
     b.load_error = (400, "target module lm_head: the model has none")
     router = make_router([a, b], POLICY)
@@ -115,8 +101,8 @@ def test_when_every_load_fails_the_client_gets_an_openai_error_naming_each_pod(p
     assert a.bodies == [] and b.bodies == []
 
 
-def test_an_adapter_without_a_source_is_not_loaded(pods):
-    a = pods("a", [], max_lora=2)
+def test_an_adapter_without_a_source_is_not_loaded(lora_pods):
+    a = lora_pods("a", [], max_lora=2)
     router = make_router([a], POLICY)
 
     async def request(client):
@@ -126,10 +112,10 @@ def test_an_adapter_without_a_source_is_not_loaded(pods):
     assert status == 404 and a.loads == [] and a.bodies == []
 
 
-def test_a_hot_adapter_spreads_to_a_pod_with_a_free_slot(pods):
-    a = pods("a", ["sql"], max_lora=2)
-    b = pods("b", [], max_lora=2)
-    c = pods("c", ["x", "y"], max_lora=2)  # full: never a spread target
+def test_a_hot_adapter_spreads_to_a_pod_with_a_free_slot(lora_pods):
+    a = lora_pods("a", ["sql"], max_lora=2)
+    b = lora_pods("b", [], max_lora=2)
+    c = lora_pods("c", ["x", "y"], max_lora=2)  # full: never a spread target
     router = make_router([a, b, c], POLICY)
 
     async def requests(client):
@@ -149,9 +135,9 @@ def test_a_hot_adapter_spreads_to_a_pod_with_a_free_slot(pods):
     assert a.loads == [] and c.loads == [] and len(b.loads) == 1
 
 
-def test_no_spread_when_the_free_pod_is_as_busy_as_the_holders(pods):
-    a = pods("a", ["sql"], max_lora=2, running=5)
-    b = pods("b", [], max_lora=2, running=7)
+def test_no_spread_when_the_free_pod_is_as_busy_as_the_holders(lora_pods):
+    a = lora_pods("a", ["sql"], max_lora=2, running=5)
+    b = lora_pods("b", [], max_lora=2, running=7)
     router = make_router([a, b], POLICY)
 
     async def request(client):

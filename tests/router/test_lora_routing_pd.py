@@ -21,7 +21,7 @@ from epdserve.router.disagg import DisaggRouters, handle
 from epdserve.router.lora import AdapterPolicy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_pods import LoraPod, make_router, scrape  # noqa: E402
+from lora_pods import make_router, scrape  # noqa: E402
 
 
 def free_port() -> int:
@@ -31,19 +31,6 @@ def free_port() -> int:
 
 
 SQL = {"model": "sql", "prompt": "select", "max_tokens": 4}
-
-
-@pytest.fixture
-def pods():
-    made = []
-
-    def make(*args, **kwargs) -> LoraPod:
-        made.append(LoraPod(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for pod in made:
-        pod.close()
 
 
 def serve_pd(prefills, decodes, policy=None) -> tuple[int, dict]:
@@ -67,10 +54,10 @@ def serve_pd(prefills, decodes, policy=None) -> tuple[int, dict]:
         routers.close()
 
 
-def test_prefill_and_decode_legs_both_go_to_pods_holding_the_adapter(pods):
+def test_prefill_and_decode_legs_both_go_to_pods_holding_the_adapter(lora_pods):
     # the idle pod of each role lacks the adapter: each leg goes to its holder
-    p0, p1 = pods("p0", ["sql"], running=3), pods("p1", [])
-    d0, d1 = pods("d0", []), pods("d1", ["sql"], running=3)
+    p0, p1 = lora_pods("p0", ["sql"], running=3), lora_pods("p1", [])
+    d0, d1 = lora_pods("d0", []), lora_pods("d1", ["sql"], running=3)
     status, answer = serve_pd([p0, p1], [d0, d1])
     assert (status, answer["pod"], answer["model"]) == (200, "d1", "sql")
     [(_, prefill)] = p0.bodies
@@ -80,9 +67,9 @@ def test_prefill_and_decode_legs_both_go_to_pods_holding_the_adapter(pods):
     assert p1.bodies == [] and d0.bodies == []
 
 
-def test_a_decode_role_without_the_adapter_loads_it_for_the_decode_leg(pods):
-    p0 = pods("p0", ["sql"])
-    d0, d1 = pods("d0", ["x"], max_lora=2), pods("d1", [], max_lora=2)
+def test_a_decode_role_without_the_adapter_loads_it_for_the_decode_leg(lora_pods):
+    p0 = lora_pods("p0", ["sql"])
+    d0, d1 = lora_pods("d0", ["x"], max_lora=2), lora_pods("d1", [], max_lora=2)
     policy = AdapterPolicy(sources={"sql": "/a/sql"}, dynamic=True)
     status, answer = serve_pd([p0], [d0, d1], policy)
     assert (status, answer["pod"], answer["model"]) == (200, "d1", "sql")
@@ -90,15 +77,15 @@ def test_a_decode_role_without_the_adapter_loads_it_for_the_decode_leg(pods):
     assert p0.loads == [] and p0.bodies[0][1]["model"] == "sql"
 
 
-def test_an_adapter_no_prefill_pod_holds_gets_the_pods_404(pods):
-    p0, d0 = pods("p0", []), pods("d0", ["sql"])
+def test_an_adapter_no_prefill_pod_holds_gets_the_pods_404(lora_pods):
+    p0, d0 = lora_pods("p0", []), lora_pods("d0", ["sql"])
     status, answer = serve_pd([p0], [d0])
     assert status == 404 and answer["error"]["type"] == "NotFoundError"
     assert p0.bodies == [] and d0.bodies == []
 
 
-def test_the_router_process_loads_an_adapter_for_the_openai_client(pods, spawn):
-    a, b = pods("a", [], max_lora=2), pods("b", [], max_lora=2)
+def test_the_router_process_loads_an_adapter_for_the_openai_client(lora_pods, spawn):
+    a, b = lora_pods("a", [], max_lora=2), lora_pods("b", [], max_lora=2)
     standins = [
         SimpleNamespace(url=p.url, extra={"events": free_port(), "replay": free_port()})
         for p in (a, b)
