@@ -232,16 +232,8 @@ def main() -> None:
         args.rounds = 1
     cpus = sorted(os.sched_getaffinity(0))
     versions, why = env.ensure_vllm(args.vllm_venv, install=not args.no_install)
-    import torch
-
-    import epdserve
-
     result = {
-        "versions": {
-            "epdserve": getattr(epdserve, "__version__", "git"),
-            "our_torch": torch.__version__,
-            "vllm_and_its_torch": versions,
-        },
+        "versions": env.versions(versions),
         "cpus": cpus,
         "setting": args.setting,
         "rounds": args.rounds,

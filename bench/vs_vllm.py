@@ -199,16 +199,8 @@ def main() -> None:
         args.rounds = 1
     result_order = "vllm first" if args.vllm_first else "epdserve first"
     versions, why = env.ensure_vllm(args.vllm_venv, install=not args.no_install)
-    import torch
-
-    import epdserve
-
     result = {
-        "versions": {
-            "epdserve": getattr(epdserve, "__version__", "git"),
-            "our_torch": torch.__version__,
-            "vllm_and_its_torch": versions,
-        },
+        "versions": env.versions(versions),
         "cpus": args.cpus,
         "settings": {
             s: {"epdserve": sets.serve_flags(s, "epdserve"), "vllm": sets.serve_flags(s, "vllm")}

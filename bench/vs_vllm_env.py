@@ -29,6 +29,19 @@ VLLM_CLI = (
 )
 
 
+def versions(vllm_and_its_torch: str | None) -> dict:
+    """What a result JSON records of both engines' versions."""
+    import torch
+
+    import epdserve
+
+    return {
+        "epdserve": getattr(epdserve, "__version__", "git"),
+        "our_torch": torch.__version__,
+        "vllm_and_its_torch": vllm_and_its_torch,
+    }
+
+
 def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
