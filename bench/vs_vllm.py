@@ -84,7 +84,7 @@ class OfflineWorker:
     """``vs_vllm_offline.py`` in one venv: loaded once, one generate per command."""
 
     def __init__(self, python: str, engine: str, model: Path, kwargs: dict, env_: dict):
-        # -P: bench/ stays off sys.path (bench/kernels.py would shadow the `kernels` package)
+        # -P: bench/ stays off sys.path, so no bench script can shadow an installed package
         cmd = [python, "-P", str(HERE / "vs_vllm_offline.py"), "--engine", engine]
         cmd += ["--model", str(model), "--kwargs", json.dumps(kwargs)]
         self.log = model.parent / f"offline-{engine}.log"

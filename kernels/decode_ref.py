@@ -3,7 +3,7 @@
 Every sequence's blocks are gathered (padded to the longest context) and the ``G = H / KVH``
 query heads of a kv head become ``G`` query rows of that head, so there is no GQA expansion
 and the gathered K/V are read once. Two ways to finish, chosen by measurement
-(``bench/kernels.py``, 1-2 threads):
+(``bench/attention_kernels.py``, 1-2 threads):
 
 - fp32 without soft cap: SDPA straight on the strided gathered blocks (fp32 sgemm reads
   them in place).

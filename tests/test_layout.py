@@ -121,6 +121,24 @@ def test_stdlib_operator_is_not_shadowed_from_the_repo_root():
     assert result.returncode == 0, result.stderr
 
 
+# optional packages libraries probe for by name (transformers: the hub `kernels`), installed or not
+PROBED_OPTIONAL = {"kernels", "flash_attn", "triton", "xgrammar", "outlines", "peft", "vllm"}
+
+
+def test_no_bench_script_shadows_a_package():
+    # the bench tests put bench/ on sys.path; a script named like a package (bench/kernels.py) then
+    # answered transformers' probe for the `kernels` package, and every model import failed
+    code = (
+        "import importlib.metadata as md, json, sys\n"
+        "tops = {n for d in md.distributions() for n in (d.read_text('top_level.txt') or '').split()}\n"
+        "print(json.dumps(sorted(tops | set(sys.stdlib_module_names))))\n"
+    )
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
+    taken = set(__import__("json").loads(out.stdout)) | PROBED_OPTIONAL
+    stems = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert not stems & taken, sorted(stems & taken)
+
+
 def test_wheel_ships_every_code_file_and_nothing_from_the_root(tmp_path):
     result = subprocess.run(
         [

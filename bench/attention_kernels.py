@@ -16,7 +16,7 @@ path the native backend took before) vs the C prefill kernel in one call
 (``native.paged_prefill``) and vs the native backend (what the engine runs: plain prompts
 stay on SDPA); medians of interleaved runs.
 
-    .venv/bin/python bench/kernels.py [--quick] [--threads N] [--prefill-only]
+    .venv/bin/python bench/attention_kernels.py [--quick] [--threads N] [--prefill-only]
 """
 
 from __future__ import annotations
