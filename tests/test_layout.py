@@ -133,7 +133,9 @@ def test_no_bench_script_shadows_a_package():
         "tops = {n for d in md.distributions() for n in (d.read_text('top_level.txt') or '').split()}\n"
         "print(json.dumps(sorted(tops | set(sys.stdlib_module_names))))\n"
     )
-    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True
+    )
     taken = set(__import__("json").loads(out.stdout)) | PROBED_OPTIONAL
     stems = {p.stem for p in (ROOT / "bench").glob("*.py")}
     assert not stems & taken, sorted(stems & taken)
