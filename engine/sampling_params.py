@@ -6,6 +6,8 @@ import enum
 
 import msgspec
 
+from epdserve.engine.structured.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -38,6 +40,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None  # added to the logits before sampling
+    structured_outputs: StructuredOutputsParams | None = None  # the output's grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

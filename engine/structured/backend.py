@@ -1,0 +1,96 @@
+"""xgrammar, the grammar backend (vLLM's default): specs checked, compiled, matched.
+
+``validate`` needs no tokenizer: the API process calls it so a bad schema, regex or grammar
+is the request's 400 before the core sees it. ``Compiler`` (core side) compiles against the
+model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from epdserve.engine.structured.params import StructuredOutputsParams
+
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
+
+
+def _message(exc: Exception) -> str:
+    """xgrammar's C++ message without its timestamp and source location."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _CPP_PREFIX.sub("", text)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF alternation of the literal choices (JSON escapes are EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _json_kwargs(params: StructuredOutputsParams) -> dict:
+    return {"any_whitespace": not params.disable_any_whitespace, "strict_mode": True}
+
+
+def _grammar(params: StructuredOutputsParams):
+    """The xgrammar ``Grammar`` of a spec (raises RuntimeError/ValueError when malformed)."""
+    import xgrammar as xgr
+
+    kind = params.kind
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(params.spec_text(), **_json_kwargs(params))
+    if kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_grammar(params.choice))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(params.grammar)
+    return xgr.Grammar.from_structural_tag(params.spec_text())
+
+
+def validate(params: StructuredOutputsParams, field: str | None = None) -> None:
+    """``ValueError("<field>: ...")`` when the spec does not build a grammar."""
+    try:
+        _grammar(params)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError/its own types
+        name = field or f"structured_outputs.{params.kind}"
+        raise ValueError(f"{name}: {_message(exc)}") from None
+
+
+def tokenizer_info(model_dir: str | Path, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the model's vocabulary (``vocab_size``: the logits' width)."""
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_dir) / "tokenizer.json"))
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+    )
+
+
+class Compiler:
+    """Compiles specs against one vocabulary (thread-safe; xgrammar releases the GIL)."""
+
+    def __init__(self, info, threads: int = 1):
+        import xgrammar as xgr
+
+        self.info = info
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+
+    def compile(self, params: StructuredOutputsParams):
+        c, kind = self._compiler, params.kind
+        try:
+            if kind == "json":
+                return c.compile_json_schema(params.spec_text(), **_json_kwargs(params))
+            if kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if kind == "regex":
+                return c.compile_regex(params.regex)
+            if kind == "choice":
+                return c.compile_grammar(choice_grammar(params.choice))
+            if kind == "grammar":
+                return c.compile_grammar(params.grammar)
+            return c.compile_structural_tag(params.spec_text())
+        except Exception as exc:
+            raise ValueError(f"structured_outputs.{kind}: {_message(exc)}") from None
