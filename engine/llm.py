@@ -21,6 +21,7 @@ from epdserve.engine.lora.request import LoRARequest
 from epdserve.engine.outputs.output_processor import RequestState, fan_out
 from epdserve.engine.outputs.request_output import CompletionOutput, Logprob, RequestOutput
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.structured.backend import validate as validate_structured
 
 
 class LLM:
@@ -147,6 +148,8 @@ class LLM:
     def _add(
         self, prompt, params: SamplingParams, lora: LoRARequest | None = None
     ) -> tuple[RequestState, ProcessedPrompt]:
+        if params.structured_outputs is not None:  # a bad spec: this call's ValueError
+            validate_structured(params.structured_outputs)
         processed = self._prompt(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):

@@ -14,7 +14,7 @@ from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature, SchedulerStats
 from epdserve.engine.core.kv_cache_groups import make_kv_cache_spec
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
-from epdserve.engine.core.mm_scheduling import EncoderScheduler
+from epdserve.engine.core.mm_scheduling import EncoderScheduler, checked_mm_features
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.core.step_guard import StepGuard, maybe_fail
@@ -30,6 +30,7 @@ from epdserve.engine.lora.request import LoRARequest
 from epdserve.engine.malloc import tune_heap
 from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.structured.manager import StructuredOutputManager
 from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes
 from epdserve.engine.worker.profiling import gpu_kv_budget
 
@@ -122,6 +123,9 @@ class EngineCore:
         hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
         self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
         self.eos_token_ids = model_cfg.eos_token_ids
+        self.structured = StructuredOutputManager(
+            config.model, model_cfg.vocab_size, list(self.eos_token_ids), config.max_num_seqs
+        )
         self.step_count = 0
         self.model_cpu_seconds = 0.0  # process CPU time spent in execute_model
         self.guard = StepGuard()
@@ -191,6 +195,8 @@ class EngineCore:
         )
         request.label = req.label
         self.scheduler.add_request(request)
+        if req.sampling_params.structured_outputs is not None:
+            self.structured.add(request)  # it waits in the queue until compiled
 
     def _kv_transfer_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
         if self.config.role == "prefill" and not params:
@@ -198,21 +204,12 @@ class EngineCore:
         return params
 
     def _mm_features(self, req: EngineCoreRequest) -> list[MMFeature]:
-        """Validate images against the prompt: spans must be placeholders inside it."""
         if not req.mm_features:
             return []
         if self.vision_encoder is None:
             raise ValueError("mm_features: this model takes no image inputs")
-        n = len(req.prompt_token_ids)
-        expected = self.vision_encoder.config.mm_tokens_per_image
-        for i, f in enumerate(req.mm_features):
-            if f.offset < 0 or f.end > n or f.length != expected:
-                raise ValueError(
-                    f"mm_features[{i}]: placeholder [{f.offset}, {f.end}) does not "
-                    f"fit a {n}-token prompt with {expected} tokens per image"
-                )
-            f.check_buffer(i)
-        return list(req.mm_features)
+        tokens = self.vision_encoder.config.mm_tokens_per_image
+        return checked_mm_features(req.mm_features, len(req.prompt_token_ids), tokens)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -229,6 +226,7 @@ class EngineCore:
         except Exception as exc:  # a scheduler fault is contained like an execution fault
             return self.guard.contain_schedule(self.scheduler, exc)
         try:
+            self.structured.fill(sched, self.scheduler.requests)
             maybe_fail("execute", sched.num_scheduled_tokens, self.scheduler.label_of)
             cpu = time.process_time()
             result = self.runner.execute_model(sched)
@@ -239,7 +237,8 @@ class EngineCore:
         if not sched.total_num_scheduled_tokens:
             time.sleep(IDLE_POLL_S)  # only connector work in flight: poll, don't spin
         outputs = self.scheduler.update_from_output(sched, result)
-        outputs += lora_core.take_failures(self.scheduler) if self.lora else []
+        if self.scheduler.admission_failures:
+            outputs += self.scheduler.take_admission_failures()
         for req_id, exc in self.scheduler.update_failures:
             log.error("updating request %s failed", req_id, exc_info=exc)
             outputs += self.guard.fail(self.scheduler, [req_id], f"{type(exc).__name__}: {exc}")
@@ -253,6 +252,7 @@ class EngineCore:
             self.ec_connector.close()
         if self.lora is not None:
             self.lora.close()
+        self.structured.close()
 
     def take_events(self) -> list:
         """This step's KV events: the pod's own cache, then blocks its KV connector saved to

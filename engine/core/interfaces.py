@@ -67,6 +67,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     scheduled_encoder_inputs: dict[str, list[int]] = {}  # request -> indices of its mm items
     free_encoder_ids: list[str] = []  # encoder outputs the runner may drop
     encoder_loads: list[str] = []  # encoder inputs to load from the shared store, not encode
+    # structured outputs: the requests that sample under a grammar this step and their
+    # allowed tokens, one packed int32 row of ceil(vocab / 32) words each, in that order
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
 
 class Logprobs(msgspec.Struct, array_like=True):

@@ -112,3 +112,15 @@ class EncoderScheduler:
         return sorted(
             {requests[r].mm_features[i].identifier for r, idxs in inputs.items() for i in idxs}
         )
+
+
+def checked_mm_features(features: list, prompt_len: int, tokens_per_image: int) -> list:
+    """A request's images validated against its prompt: spans must be placeholders in it."""
+    for i, f in enumerate(features):
+        if f.offset < 0 or f.end > prompt_len or f.length != tokens_per_image:
+            raise ValueError(
+                f"mm_features[{i}]: placeholder [{f.offset}, {f.end}) does not "
+                f"fit a {prompt_len}-token prompt with {tokens_per_image} tokens per image"
+            )
+        f.check_buffer(i)
+    return list(features)

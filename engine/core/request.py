@@ -71,6 +71,7 @@ class Request:
         self.skip_prefix_cache = params.prompt_logprobs is not None
         self.kv_transfer_params = kv_transfer_params  # P/D hand-over (vLLM's field)
         self.label: str | None = None  # the client's X-Request-Id: logs and tests only
+        self.grammar = None  # its GrammarState when its output has a grammar (structured)
 
     @property
     def num_tokens(self) -> int:

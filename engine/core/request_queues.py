@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
-from epdserve.engine.core.interfaces import SchedulerOutput
+from epdserve.engine.core.interfaces import EngineCoreOutput, SchedulerOutput
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
@@ -41,7 +41,9 @@ class RequestQueues:
     ):
         self.kv = kv_cache_manager
         self.lora = lora  # adapters' device slots, when LoRA is on
-        self.lora_failures: list[tuple[str, Exception]] = []  # adapters that failed to load
+        # waiting requests that cannot start: their adapter failed to load, their grammar to
+        # compile (the core answers each with a 400)
+        self.admission_failures: list[tuple[str, Exception]] = []
         self.kv_transfer = kv_transfer  # a KV connector's scheduler side, if any
         self.encoder = encoder  # multimodal models: encoder inputs and their cache
         self.requests: dict[str, Request] = {}
@@ -67,15 +69,36 @@ class RequestQueues:
     def lora_ready(self, request: Request) -> bool:
         """Whether a waiting request's adapter is on a device slot, placing it now if its
         weights are read and a slot is free or held by no running request. An adapter that
-        failed to load fails the request (``lora_failures``, for the core to answer)."""
+        failed to load fails the request (``admission_failures``)."""
         if self.lora.touch(request.lora):  # on a slot already: the common case
             return True
         busy = {r.lora.lora_int_id for r in self.running if r.lora is not None}
         try:
             return self.lora.acquire(request.lora, busy)
         except ValueError as exc:
-            self.lora_failures.append((request.request_id, exc))
+            self.admission_failures.append((request.request_id, exc))
             return False
+
+    def grammar_ready(self, request: Request) -> bool:
+        """Whether a waiting request's grammar is compiled; one that failed to compile (or
+        in time) fails the request (``admission_failures``)."""
+        try:
+            return request.grammar.ready()
+        except ValueError as exc:
+            self.admission_failures.append((request.request_id, exc))
+            return False
+
+    def take_admission_failures(self) -> list[EngineCoreOutput]:
+        """Finish the requests that could not start, each with a 400 naming why."""
+        failures, self.admission_failures = self.admission_failures, []
+        outputs = []
+        for req_id, exc in failures:
+            if not self.finish_requests([req_id], RequestStatus.FINISHED_ABORTED):
+                continue  # already gone (aborted meanwhile)
+            out = EngineCoreOutput(req_id, [], finish_reason="abort", stop_reason=str(exc))
+            out.error, out.error_status = str(exc), 400
+            outputs.append(out)
+        return outputs
 
     def adapter_names(self) -> tuple[list[str], list[str]]:
         """Names of the adapters of running and of waiting requests, sorted (for metrics)."""

@@ -7,7 +7,8 @@ from epdserve.engine.core.request import Request, RequestStatus
 
 
 def check_stop(request: Request, max_model_len: int) -> None:
-    """Finish ``request`` if its last token is EOS or a stop token, or it hit a length cap."""
+    """Finish ``request`` if its last token is EOS or a stop token, it hit a length cap, or
+    its grammar is complete."""
     params = request.params
     last = request.output_token_ids[-1]
     if request.num_output_tokens >= params.min_tokens:
@@ -20,6 +21,9 @@ def check_stop(request: Request, max_model_len: int) -> None:
             return
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    elif request.grammar is not None and request.grammar.terminated:
+        # the grammar took its stop token: nothing more can follow (ignore_eos, min_tokens)
+        request.status = RequestStatus.FINISHED_STOPPED
 
 
 def make_output(

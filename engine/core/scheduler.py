@@ -121,6 +121,9 @@ class Scheduler(RequestQueues):
             if request.lora is not None and not self.lora_ready(request):
                 skipped.append(self.waiting.popleft())  # its adapter is loading or slots busy
                 continue
+            if request.grammar is not None and not self.grammar_ready(request):
+                skipped.append(self.waiting.popleft())  # its grammar is compiling
+                continue
             admitted = self._admit(request, budget)
             if admitted is LoadStart.NO_ROOM and self._unpin(request):
                 admitted = self._admit(request, budget)
@@ -268,6 +271,8 @@ class Scheduler(RequestQueues):
             return None  # a partial prefill chunk
         if token_ids:
             request.append_output_token_ids(token_ids)
+            if request.grammar is not None:
+                request.grammar.accept(token_ids)
             check_stop(request, self.max_model_len)
         output = make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
         held = False

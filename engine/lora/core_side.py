@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from epdserve.engine.core.interfaces import EngineCoreOutput
-from epdserve.engine.core.request import RequestStatus
 from epdserve.engine.lora.manager import LoRAManager
 from epdserve.engine.lora.request import LoRARequest
 
@@ -66,16 +64,3 @@ def apply_message(manager: LoRAManager | None, queues: RequestQueues, msg: LoRAM
             manager.forget(lid)
     else:
         raise ValueError(f"op: must be add or remove, got {msg.op!r}")
-
-
-def take_failures(queues: RequestQueues) -> list[EngineCoreOutput]:
-    """Finish the requests whose adapter failed to load, each with a 400 naming why."""
-    failures, queues.lora_failures = queues.lora_failures, []
-    outputs = []
-    for req_id, exc in failures:
-        if not queues.finish_requests([req_id], RequestStatus.FINISHED_ABORTED):
-            continue  # already gone (aborted meanwhile)
-        out = EngineCoreOutput(req_id, [], finish_reason="abort", stop_reason=str(exc))
-        out.error, out.error_status = str(exc), 400
-        outputs.append(out)
-    return outputs

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from epdserve.engine.structured.params import StructuredOutputsParams
 
+# JSON mode (``json_object``) means an object, as OpenAI documents it, not any JSON value
+JSON_OBJECT = '{"type": "object"}'
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 
 
@@ -39,7 +41,7 @@ def _grammar(params: StructuredOutputsParams):
     if kind == "json":
         return xgr.Grammar.from_json_schema(params.spec_text(), **_json_kwargs(params))
     if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+        return xgr.Grammar.from_json_schema(JSON_OBJECT, **_json_kwargs(params))
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
     if kind == "choice":
@@ -84,7 +86,7 @@ class Compiler:
             if kind == "json":
                 return c.compile_json_schema(params.spec_text(), **_json_kwargs(params))
             if kind == "json_object":
-                return c.compile_builtin_json_grammar()
+                return c.compile_json_schema(JSON_OBJECT, **_json_kwargs(params))
             if kind == "regex":
                 return c.compile_regex(params.regex)
             if kind == "choice":

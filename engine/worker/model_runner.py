@@ -16,6 +16,7 @@ from epdserve.engine.core.kv_cache_groups import KVCacheSpec, make_kv_cache_spec
 from epdserve.engine.lora.batch import LoRABatch
 from epdserve.engine.models.decoder import AttentionMetadata, DecoderLM
 from epdserve.engine.sample.sampler import SamplingRow, argmax_rows, compute_logprobs, sample
+from epdserve.engine.structured.mask import apply_bitmask
 from epdserve.engine.worker.device_inputs import DeviceInputs
 from epdserve.engine.worker.input_batch import InputBatch
 from epdserve.engine.worker.mm_inputs import EncoderOutputs, place_image_embeddings
@@ -126,7 +127,7 @@ class ModelRunner:
         logprobs = {}
         if inputs.sample_req_ids:
             logits = self.model.compute_logits(hidden[dev.logits_indices])
-            sampled, logprobs = self._sample(logits, inputs.sample_req_ids)
+            sampled, logprobs = self._sample(logits, inputs.sample_req_ids, sched)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
         return ModelRunnerOutput(
             inputs.order, [sampled.get(r, []) for r in inputs.order], logprobs, prompt_logprobs
@@ -171,7 +172,7 @@ class ModelRunner:
             meta.bidirectional_spans = spans
         return embeds
 
-    def _sample(self, logits: torch.Tensor, req_ids: list[str]):
+    def _sample(self, logits: torch.Tensor, req_ids: list[str], sched: SchedulerOutput):
         states = [self.batch.states[r] for r in req_ids]
         params = [s.params for s in states]
         all_greedy = all(p.greedy for p in params)
@@ -187,6 +188,10 @@ class ModelRunner:
                         list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device
                     )
                     logits[i].index_add_(0, ids, bias)
+        if sched.grammar_req_ids:  # structured outputs: only the grammar's tokens remain
+            row = {r: i for i, r in enumerate(req_ids)}
+            rows = [row[r] for r in sched.grammar_req_ids]
+            apply_bitmask(logits, rows, sched.grammar_bitmask, len(rows))
         if all_greedy and not any(p.needs_penalties for p in params):
             tokens = argmax_rows(logits)  # no per-row sampling state to build
         else:
