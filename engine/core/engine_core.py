@@ -195,8 +195,11 @@ class EngineCore:
         )
         request.label = req.label
         self.scheduler.add_request(request)
-        if req.sampling_params.structured_outputs is not None:
-            self.structured.add(request)  # it waits in the queue until compiled
+        handed_over = (request.kv_transfer_params or {}).get("do_remote_decode")
+        if req.sampling_params.structured_outputs is not None and not handed_over:
+            # it waits in the queue until compiled; a prefill pod's one token is dropped (the
+            # decode pod samples the first token itself), so it needs no grammar
+            self.structured.add(request)
 
     def _kv_transfer_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
         if self.config.role == "prefill" and not params:

@@ -202,3 +202,17 @@ def test_bitmask_rows_mask_exactly_the_disallowed_tokens(vocab):
     xgr.apply_token_bitmask_inplace(ref, full, vocab_size=vocab)
     assert torch.equal(ours[:, :vocab], ref[:, :vocab])
     assert torch.equal(ours[[1, 3]], logits[[1, 3]])
+
+
+def test_a_prefill_for_a_decode_pod_compiles_no_grammar(models):
+    # the decode pod samples the first token itself: the prefill pod's one token is dropped
+    from epdserve.engine.config import EngineConfig
+
+    core = EngineCore(EngineConfig(model=str(models.get("llama")), max_num_seqs=4))
+    params = SamplingParams(max_tokens=1, structured_outputs=SO(regex="q+"))
+    req = EngineCoreRequest("p", [5, 6, 7], params, kv_transfer_params={"do_remote_decode": True})
+    core.add_request(req)
+    outs: dict = {}
+    run(core, outs)
+    assert outs["p"][-1].finish_reason == "length" and core.structured.compiles == 0
+    core.close()
