@@ -31,8 +31,8 @@ class RequestLimits:
 
 # OpenAI/vLLM request fields this server accepts but does not act on: harmless only at the
 # values listed (None always is). Any other value, or any other unknown field, is a 400.
+# (Chat declares tools, tool_choice and parallel_tool_calls: these entries serve completions.)
 TOLERATED: dict[str, tuple] = {
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "functions": ([],),

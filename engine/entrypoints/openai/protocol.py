@@ -57,6 +57,16 @@ class _Common(_ValidText):
     # pod then neither renders, tokenizes nor loads images
     processed_prompt: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # what the output must match (entrypoints/openai/structured_request.py): OpenAI's
+    # response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -134,6 +144,10 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # e.g. {"do_pan_and_scan": true}
     add_special_tokens: bool = False  # on top of the template's own (vLLM's default)
+    # function calling (entrypoints/openai/tool_request.py); tools reach the template as given
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_ValidText):

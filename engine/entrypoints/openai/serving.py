@@ -18,6 +18,12 @@ from epdserve.engine.entrypoints.openai.limits import (
     check_sampling_fields,
 )
 from epdserve.engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from epdserve.engine.entrypoints.openai.structured_request import (
+    check_tool_parameters,
+    structured_outputs_of,
+    wants_structured_outputs,
+)
+from epdserve.engine.entrypoints.openai.tool_request import ToolRequest, check_tools, forced_schema
 from epdserve.engine.inputs.processor import InputProcessor
 from epdserve.engine.inputs.prompt import ProcessedPrompt
 from epdserve.engine.kv_transfer.params import validate_kv_transfer_params
@@ -46,6 +52,11 @@ class Prepared:
         self.return_prompt = False
         self.lora_request: LoRARequest | None = None  # the adapter its ``model`` names
         self.model_name = ""  # the ``model`` its answer names (the adapter's or the base's)
+        # chat: the tools as given, the choice in force ("auto" when tools come without
+        # one) and whether several calls may be made: the output side's to read
+        self.tools: list[dict] | None = None
+        self.tool_choice: str | dict | None = None
+        self.parallel_tool_calls = True
 
     @property
     def num_seqs(self) -> int:
@@ -99,6 +110,7 @@ class OpenAIServing:
             raise APIError(400, "suffix: not supported", "suffix")
         check_sampling_fields(req, self.limits, self.tok.vocab_size)
         check_count(req.logprobs, self.limits.max_logprobs, "logprobs")
+        constraint = await self._structured_outputs(req)
         try:
             if req.processed_prompt is not None:
                 prompts = [self.inputs.accept(req.processed_prompt)]
@@ -108,7 +120,9 @@ class OpenAIServing:
                 )
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        return self._finish_prepare(req, prompts, req.max_tokens, req.logprobs, "completion")
+        prep = self._finish_prepare(req, prompts, req.max_tokens, req.logprobs, "completion")
+        prep.params.structured_outputs = constraint
+        return prep
 
     def _completion_prompts(self, raw, add_special_tokens: bool) -> list[ProcessedPrompt]:
         if isinstance(raw, str) or raw and isinstance(raw[0], int):
@@ -125,6 +139,8 @@ class OpenAIServing:
         check_count(req.top_logprobs, self.limits.max_logprobs, "top_logprobs")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+        tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        constraint = await self._structured_outputs(req, tools)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             options = render_options(req)  # checks chat_template_kwargs in both cases
@@ -150,10 +166,27 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prep = self._finish_prepare(req, [prompt], max_tokens, logprobs, "chat")
+        prep.params.structured_outputs = constraint
+        prep.tools, prep.tool_choice = tools.tools, tools.tool_choice
+        prep.parallel_tool_calls = tools.parallel_tool_calls
         last = messages[-1]
         if req.echo and last["role"] == "assistant" and isinstance(last.get("content"), str):
             prep.echo_text = last["content"]
         return prep
+
+    async def _structured_outputs(self, req, tools: ToolRequest | None = None):
+        """The output's constraint (its grammar built off the loop) or None; 400s name
+        the field (entrypoints/openai/structured_request.py)."""
+        forced = tools is not None and tools.forced
+        if not forced and not wants_structured_outputs(req):
+            return None
+
+        def build():
+            if forced:
+                check_tool_parameters(tools)
+            return structured_outputs_of(req, forced_schema(tools) if forced else None)
+
+        return await asyncio.to_thread(build)
 
     def _finish_prepare(self, req, prompts, max_tokens, logprobs, kind) -> Prepared:
         limit = self.engine.max_model_len
