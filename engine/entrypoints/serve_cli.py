@@ -17,6 +17,9 @@ from dataclasses import dataclass, replace
 from epdserve.common.cli_fields import add_fields, from_args, setting
 from epdserve.common.logs import FORMATS
 
+# tool_parsers.PARSERS' names (not imported here: the flags stay cheap to build)
+TOOL_CALL_PARSERS = ("llama3_json", "hermes")
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -28,6 +31,15 @@ class ServeOptions:
     served_model_name: str | None = setting(None, "the model name clients use (default: MODEL)")
     api_key: str | None = setting(
         None, "require Authorization: Bearer KEY on /v1/*, /tokenize and /detokenize"
+    )
+    enable_auto_tool_choice: bool = setting(
+        False, 'tool_choice "auto" reads tool calls out of the output (needs --tool-call-parser)'
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        'how the model writes tool calls: llama3_json ({"name": ..., "parameters": ...} '
+        "JSON) or hermes (<tool_call> blocks, Qwen)",
+        choices=TOOL_CALL_PARSERS,
     )
     max_logprobs: int = setting(
         20, "most logprobs/top_logprobs/prompt_logprobs a request may ask for"
@@ -100,6 +112,13 @@ class ServeOptions:
             )
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout: must be non-negative")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice: requires --tool-call-parser")
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser tool_choice "auto" uses: set only with both tool flags (as vLLM)."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     def request_limits(self):
         """``(RequestLimits, ImageLimits)``: per-request and image-loading limits."""
@@ -191,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"epdserve serve: {exc}") from exc
     state = ServerState(config, name, opts.api_key, limits, image_limits, queued, http)
+    state.serving.tool_parser_name = opts.auto_tool_parser
     serve(
         build_app(state),
         state,

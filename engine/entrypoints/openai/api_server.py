@@ -45,6 +45,7 @@ from epdserve.engine.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from epdserve.engine.entrypoints.openai.serving import OpenAIServing
+from epdserve.engine.entrypoints.openai.tool_calls import check_tool_choice
 from epdserve.engine.inputs.images import ImageLimits
 from epdserve.engine.inputs.processor import InputProcessor
 from epdserve.engine.metrics import EngineMetrics
@@ -221,6 +222,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(req: ChatCompletionRequest, raw: Request):
         state.require_engine()
         prep = await serving.prepare_chat(req)
+        check_tool_choice(serving, prep)  # "auto" needs --enable-auto-tool-choice
         return await _respond(raw, prep, req)
 
     async def _respond(raw: Request, prep, req):

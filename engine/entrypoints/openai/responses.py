@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from epdserve.engine.entrypoints.openai.serving import OpenAIServing, Prepared, sse
+from epdserve.engine.entrypoints.openai.tool_calls import ChoiceTools, choice_tools
 
 
 class Accumulator:
@@ -91,6 +92,7 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
             if seq.finish_reason:
                 acc.finish[c], acc.stop_reason[c] = seq.finish_reason, seq.stop_reason
     chat = prep.kind == "chat"
+    tools = choice_tools(serving, prep, len(acc.text))
     choices = []
     for c in range(len(acc.text)):
         prefix = echoed(serving, prep, c // n, echo)
@@ -108,6 +110,10 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
             )
         if chat:
             choice["message"] = {"role": "assistant", "content": prefix + acc.text[c]}
+            if tools is not None:
+                choice["finish_reason"] = tool_message(
+                    choice["message"], tools[c], prefix, acc.text[c], acc.finish[c]
+                )
         else:
             choice["text"] = prefix + acc.text[c]
         choices.append(choice)
@@ -122,6 +128,18 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
         "ec_transfer_params": ec_transfer_params,
         **({"processed_prompt": prep.prompts[0].to_wire()} if prep.return_prompt else {}),
     }
+
+
+def tool_message(
+    message: dict, tools: ChoiceTools, prefix: str, text: str, finish: str | None
+) -> str | None:
+    """Puts a choice's content and tool calls into ``message``; returns its finish_reason."""
+    fields, finish = tools.message(text, finish)
+    content = fields["content"]
+    # an echoed prefix leads the content (vLLM); no content and no prefix stays null
+    fields["content"] = prefix + content if content is not None else prefix or None
+    message.update(fields)
+    return finish
 
 
 async def stream_response(
@@ -157,6 +175,7 @@ async def stream_response(
                     ],
                 }
             )
+    tools = choice_tools(serving, prep, len(acc.text))
     started = [False] * len(acc.text)
     async for i, out in serving.events(prep):
         if out.finished:
@@ -165,9 +184,8 @@ async def stream_response(
             c = i * n + seq.index
             if not seq.text and not seq.token_ids and not seq.finish_reason:
                 continue
-            text = seq.text
-            if not started[c]:
-                text = echoed(serving, prep, i, echo) + text
+            prefix = "" if started[c] else echoed(serving, prep, i, echo)
+            text = prefix + seq.text
             started[c] = True
             acc.tokens[c] += len(seq.token_ids)
             choice = {
@@ -183,7 +201,13 @@ async def stream_response(
                     else completion_logprobs(serving, seq.logprobs, len(acc.text[c]))
                 )
             acc.text[c] += text
-            if chat:
+            if tools is not None:
+                delta = tools[c].delta(seq.text, seq.finish_reason is not None, prefix)
+                choice["finish_reason"] = tools[c].finish_reason(seq.finish_reason)
+                if delta is None and not seq.finish_reason and choice["logprobs"] is None:
+                    continue  # held back: maybe the start of a call
+                choice["delta"] = delta or {}
+            elif chat:
                 choice["delta"] = {"content": text}
             else:
                 choice["text"] = text
