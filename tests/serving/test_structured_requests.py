@@ -1,0 +1,132 @@
+"""Structured-output and tool fields against a real ``epdserve serve``, through the official
+``openai`` client: a bad constraint is a 400 in OpenAI's shape naming the field, before any
+token is generated (streaming too); a valid one is accepted. (Whether the output matches is
+the engine core's test.)"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+pytest.importorskip("xgrammar")
+
+MESSAGES = [{"role": "user", "content": "give me a number"}]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+    },
+}
+
+
+def bad_request(call, **kwargs) -> dict:
+    with pytest.raises(openai.BadRequestError) as err:
+        call(model="tiny", max_tokens=4, **kwargs)
+    body = err.value.body
+    assert err.value.status_code == 400 and body["type"] == "BadRequestError"
+    return body
+
+
+def test_an_unenforceable_schema_keyword_is_named_with_its_field(client):
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    body = bad_request(
+        client.chat.completions.create,
+        messages=MESSAGES,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+    )
+    assert body["param"] == "response_format.json_schema.schema"
+    assert "unsupported JSON schema keyword 'uniqueItems' at #/properties/tags" in body["message"]
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"structured_outputs": {"regex": "(["}}, "structured_outputs.regex"),
+        ({"guided_grammar": "root ::= "}, "guided_grammar"),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+        (
+            {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " "}},
+            "structured_outputs.whitespace_pattern",
+        ),
+    ],
+)
+def test_a_bad_constraint_on_a_completion_is_a_400_naming_the_field(client, extra, param):
+    body = bad_request(client.completions.create, prompt="x", extra_body=extra)
+    assert body["param"] == param and body["message"].startswith(param + ":")
+
+
+def test_a_streamed_request_with_a_bad_schema_fails_before_its_stream(client):
+    body = bad_request(
+        client.chat.completions.create,
+        messages=MESSAGES,
+        stream=True,
+        extra_body={"structured_outputs": {"json": {"type": "integer", "not": {"const": 1}}}},
+    )
+    assert body["param"] == "structured_outputs.json" and "'not'" in body["message"]
+
+
+@pytest.mark.parametrize(
+    "tools, choice, param",
+    [
+        ([TOOL], {"type": "function", "function": {"name": "sub"}}, "tool_choice"),
+        ([TOOL, TOOL], "none", "tools[1].function.name"),
+        (
+            [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "if": {}}},
+                }
+            ],
+            "required",
+            "tools[0].function.parameters",
+        ),
+    ],
+)
+def test_bad_tool_fields_are_a_400_naming_the_field(client, tools, choice, param):
+    body = bad_request(
+        client.chat.completions.create, messages=MESSAGES, tools=tools, tool_choice=choice
+    )
+    assert body["param"] == param
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": SCHEMA},
+            }
+        },
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"guided_regex": "[a-z]+"},
+    ],
+)
+def test_a_valid_constraint_is_accepted_on_completions(client, extra):
+    out = client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_valid_schema_is_accepted_on_a_streamed_chat(client):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=4,
+        stream=True,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "n", "schema": SCHEMA, "strict": True},
+        },
+    )
+    finishes = [c.choices[0].finish_reason for c in stream if c.choices]
+    assert finishes[-1] in ("stop", "length")
+
+
+def test_tools_with_tool_choice_none_are_accepted(client):
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=3, tools=[TOOL], tool_choice="none"
+    )
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert not out.choices[0].message.tool_calls
