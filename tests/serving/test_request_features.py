@@ -78,10 +78,10 @@ def test_n_min_tokens_and_ignore_eos_are_honoured(client):
 @pytest.mark.parametrize(
     "kwargs, param",
     [
-        (dict(response_format={"type": "json_object"}), "response_format"),
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (dict(response_format={"type": "json_schema"}), "response_format"),
+        (dict(tools=[]), "tools"),
         (dict(tool_choice="required"), "tool_choice"),
-        (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+        (dict(extra_body={"guided_whitespace_pattern": r"\s*"}), "guided_whitespace_pattern"),
     ],
 )
 def test_features_this_server_lacks_are_a_400_naming_the_field(client, kwargs, param):
