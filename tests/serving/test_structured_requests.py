@@ -5,6 +5,9 @@ the engine core's test.)"""
 
 from __future__ import annotations
 
+import json
+import re
+
 import openai
 import pytest
 
@@ -91,22 +94,36 @@ def test_bad_tool_fields_are_a_400_naming_the_field(client, tools, choice, param
     assert body["param"] == param
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "n", "schema": SCHEMA},
-            }
-        },
-        {"structured_outputs": {"choice": ["yes", "no"]}},
-        {"guided_regex": "[a-z]+"},
-    ],
-)
-def test_a_valid_constraint_is_accepted_on_completions(client, extra):
-    out = client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
-    assert out.choices[0].finish_reason in ("stop", "length")
+def test_a_choice_answers_one_of_its_strings(client):
+    out = client.completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=16,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert out.choices[0].text in ("yes", "no") and out.choices[0].finish_reason == "stop"
+
+
+def test_a_guided_regex_answers_in_its_language(client):
+    out = client.completions.create(
+        model="tiny", prompt="x", max_tokens=6, extra_body={"guided_regex": "[a-z]{1,3}-[0-9]"}
+    )
+    text, finish = out.choices[0].text, out.choices[0].finish_reason
+    assert re.fullmatch("[a-z]{1,3}-[0-9]", text) if finish == "stop" else finish == "length"
+    assert re.fullmatch("[a-z]{0,3}-?[0-9]?", text)  # a cut-off answer is a prefix
+
+
+def test_a_json_schema_completion_answers_a_matching_object(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    out = client.completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=24,
+        extra_body={"response_format": rf, "structured_outputs": {"disable_any_whitespace": True}},
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].text)["ok"], bool)
 
 
 def test_a_valid_schema_is_accepted_on_a_streamed_chat(client):
