@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from epdserve.engine.structured.pattern_cost import MAX_SCHEMA_COST, pattern_cost
+
 MAX_NESTING = 64  # objects and arrays inside a schema (vLLM's bound); compile time grows fast
 
 # assertions xgrammar ignores wherever they appear
@@ -113,7 +115,7 @@ def check_schema(schema: Any) -> None:
     ignore, or ``ValueError`` for a schema nested deeper than ``MAX_NESTING``."""
     if _too_deep(schema):
         raise ValueError(f"the JSON schema nests objects and arrays deeper than {MAX_NESTING}")
-    _check(schema, "#", None)
+    _check(schema, "#", None, [0])
 
 
 def _too_deep(value: Any) -> bool:
@@ -152,23 +154,37 @@ def _types(schema: dict, implied: str | None) -> set[str]:
     return set()
 
 
-def _check(schema: Any, at: str, implied: str | None) -> None:
+def _check(schema: Any, at: str, implied: str | None, spent: list[int]) -> None:
+    """``spent``: the pattern cost of the schema so far (pattern_cost.py)."""
     if not isinstance(schema, dict):
         return  # true/false, or a shape error the backend names
-    _check_keywords(schema, at, _types(schema, implied))
+    types = _types(schema, implied)
+    _check_keywords(schema, at, types)
+    if "string" in types and isinstance(schema.get("pattern"), str):
+        _charge(schema["pattern"], "pattern", at, spent)
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
-                _check(sub, _pointer(at, key, name), None)
+                if key == "patternProperties":
+                    _charge(name, key, _pointer(at, key, name), spent)
+                _check(sub, _pointer(at, key, name), None, spent)
     for key in _SCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             for i, sub in enumerate(schema[key]):
-                _check(sub, _pointer(at, key, i), None)
+                _check(sub, _pointer(at, key, i), None, spent)
     for key in _SCHEMA_VALUES:
         if isinstance(schema.get(key), dict):
-            _check(schema[key], _pointer(at, key), None)
+            _check(schema[key], _pointer(at, key), None, spent)
     if isinstance(schema.get("propertyNames"), dict):  # keys are strings: the type is implied
-        _check(schema["propertyNames"], _pointer(at, "propertyNames"), "string")
+        _check(schema["propertyNames"], _pointer(at, "propertyNames"), "string", spent)
+
+
+def _charge(pattern: str, keyword: str, at: str, spent: list[int]) -> None:
+    """Patterns whose repeated groups would take xgrammar too long to spell out."""
+    spent[0] += pattern_cost(pattern)
+    if spent[0] > MAX_SCHEMA_COST:
+        why = f"repeated groups too costly to build: {spent[0]}, at most {MAX_SCHEMA_COST}"
+        raise UnsupportedSchema(keyword, at, why)
 
 
 def _check_keywords(schema: dict, at: str, types: set[str]) -> None:
