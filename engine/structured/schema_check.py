@@ -110,12 +110,29 @@ class UnsupportedSchema(ValueError):
         )
 
 
-def check_schema(schema: Any) -> None:
+def check_schema(schema: Any, spent: list[int] | None = None) -> None:
     """Raise ``UnsupportedSchema`` (a ``ValueError``) for the first keyword xgrammar would
-    ignore, or ``ValueError`` for a schema nested deeper than ``MAX_NESTING``."""
+    ignore, or ``ValueError`` for a schema nested deeper than ``MAX_NESTING``. ``spent``:
+    a pattern-cost budget shared by several schemas (a structural tag's)."""
     if _too_deep(schema):
         raise ValueError(f"the JSON schema nests objects and arrays deeper than {MAX_NESTING}")
-    _check(schema, "#", None, [0])
+    _check(schema, "#", None, [0] if spent is None else spent)
+
+
+def tag_schemas(tag: Any) -> list[Any]:
+    """The JSON schemas inside an xgrammar structural tag (``{"type": "json_schema",
+    "json_schema": ...}`` anywhere in its format)."""
+    found, stack = [], [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                found.append(node["json_schema"])
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
 
 
 def _too_deep(value: Any) -> bool:

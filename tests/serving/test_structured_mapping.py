@@ -172,6 +172,21 @@ def test_the_legacy_structural_tag_becomes_triggered_tags():
         ),
         (dict(guided_json={"type": "nope"}), "guided_json", "nope"),
         (
+            dict(
+                structured_outputs={
+                    "structural_tag": {
+                        "type": "structural_tag",
+                        "format": {
+                            "type": "json_schema",
+                            "json_schema": {"type": "integer", "not": {}},
+                        },
+                    }
+                }
+            ),
+            "structured_outputs.structural_tag",
+            "unsupported JSON schema keyword 'not' at #",
+        ),
+        (
             dict(guided_regex="a", guided_decoding_backend="outlines"),
             "guided_decoding_backend",
             "xgrammar",
