@@ -3,6 +3,8 @@ that finished is in its spec's language, every other one was cut at ``max_tokens
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from so_corpus import all_specs, check, failures_apart_from_known_bugs
 
@@ -88,3 +90,15 @@ def test_logprobs_of_a_constrained_output_cover_each_sampled_token(llm):
         assert c.finish_reason == "stop" and c.text in spec.choice
         assert len(c.logprobs) == len(c.token_ids)
         assert all(t in lp for t, lp in zip(c.token_ids, c.logprobs, strict=True))
+
+
+@pytest.mark.xfail(strict=True, reason="StructuredOutputsParams.spec_text() sorts the schema's "
+                   "keys and the backend compiles that text (see /work/notes)")  # fmt: skip
+def test_properties_come_in_the_schema_order(llm):
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"},
+              "alpha": {"type": "boolean"}}, "required": ["zeta", "alpha"],
+              "additionalProperties": False}  # fmt: skip
+    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    out = llm.generate(["Answer:"], SamplingParams(structured_outputs=spec, max_tokens=32))[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert list(json.loads(out.outputs[0].text)) == ["zeta", "alpha"]  # as OpenAI and vLLM
