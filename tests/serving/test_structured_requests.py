@@ -43,6 +43,17 @@ def test_an_unenforceable_schema_keyword_is_named_with_its_field(client):
     assert "unsupported JSON schema keyword 'uniqueItems' at #/properties/tags" in body["message"]
 
 
+def test_a_schema_too_costly_or_too_deep_to_build_is_refused_before_building(client):
+    costly = {"type": "string", "pattern": "(a|b|c){1,5000}"}  # 15 s of xgrammar's time
+    deep: dict = {"type": "integer"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"x": deep}}
+    for schema, fragment in ((costly, "'pattern' at #"), (deep, "deeper than 64")):
+        rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        body = bad_request(client.chat.completions.create, messages=MESSAGES, response_format=rf)
+        assert body["param"] == "response_format.json_schema.schema" and fragment in body["message"]
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [
