@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from epdserve.engine.structured.params import StructuredOutputsParams
+from epdserve.engine.structured.schema_check import check_schema, tag_schemas
 
 # JSON mode (``json_object``) means an object, as OpenAI documents it, not any JSON value
 JSON_OBJECT = '{"type": "object"}'
@@ -29,6 +30,38 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# a length-bounded string without a pattern, as a pattern that keeps JSON's forbidden raw
+# characters out: xgrammar 0.2.9 lets control characters into minLength/maxLength strings
+_BOUNDED = r'^[^"\\\x00-\x1f]{%d,%s}$'
+
+
+def _bounded_strings(schema):
+    """``schema`` with every ``type: string`` that has minLength/maxLength (and no pattern
+    or format) rewritten as a pattern of the same lengths (the copy keeps key order)."""
+    if isinstance(schema, list):
+        return [_bounded_strings(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_strings(v) for k, v in schema.items()}
+    lo, hi = out.get("minLength"), out.get("maxLength")
+    lengths = [v for v in (lo, hi) if v is not None]
+    if (
+        out.get("type") == "string"
+        and lengths
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in lengths)
+        and "pattern" not in out
+        and "format" not in out
+    ):
+        out.pop("minLength", None), out.pop("maxLength", None)
+        out["pattern"] = _BOUNDED % (lo or 0, "" if hi is None else hi)
+    return out
+
+
+def schema_text(params: StructuredOutputsParams) -> str:
+    """The JSON schema xgrammar compiles (see ``_bounded_strings``)."""
+    return json.dumps(_bounded_strings(params.json), ensure_ascii=False)
+
+
 def _json_kwargs(params: StructuredOutputsParams) -> dict:
     return {"any_whitespace": not params.disable_any_whitespace, "strict_mode": True}
 
@@ -39,7 +72,7 @@ def _grammar(params: StructuredOutputsParams):
 
     kind = params.kind
     if kind == "json":
-        return xgr.Grammar.from_json_schema(params.spec_text(), **_json_kwargs(params))
+        return xgr.Grammar.from_json_schema(schema_text(params), **_json_kwargs(params))
     if kind == "json_object":
         return xgr.Grammar.from_json_schema(JSON_OBJECT, **_json_kwargs(params))
     if kind == "regex":
@@ -52,11 +85,21 @@ def _grammar(params: StructuredOutputsParams):
 
 
 def validate(params: StructuredOutputsParams, field: str | None = None) -> None:
-    """``ValueError("<field>: ...")`` when the spec does not build a grammar."""
+    """``ValueError("<field>: ...")`` when the spec does not build a grammar, or a JSON
+    schema in it has keywords the grammar would not enforce (``schema_check``)."""
+    name = field or f"structured_outputs.{params.kind}"
+    schemas = [params.json] if params.kind == "json" else []
+    if params.kind == "structural_tag":
+        schemas = tag_schemas(params.structural_tag)
+    spent = [0]  # one pattern-cost budget for all of a tag's schemas
+    try:
+        for schema in schemas:  # keywords xgrammar would ignore, patterns too costly to build
+            check_schema(schema, spent)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
     try:
         _grammar(params)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError/its own types
-        name = field or f"structured_outputs.{params.kind}"
         raise ValueError(f"{name}: {_message(exc)}") from None
 
 
@@ -84,7 +127,7 @@ class Compiler:
         c, kind = self._compiler, params.kind
         try:
             if kind == "json":
-                return c.compile_json_schema(params.spec_text(), **_json_kwargs(params))
+                return c.compile_json_schema(schema_text(params), **_json_kwargs(params))
             if kind == "json_object":
                 return c.compile_json_schema(JSON_OBJECT, **_json_kwargs(params))
             if kind == "regex":

@@ -49,13 +49,14 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def spec_text(self) -> str:
-        """The spec as canonical text (JSON sorted, so equal schemas share a compile)."""
+        """The spec as text. JSON keys keep their order: a schema's property order is the
+        order the output's properties come in."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json_object":
             return ""
         if kind in ("json", "structural_tag", "choice"):
-            return _json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            return _json.dumps(value, separators=(",", ":"), ensure_ascii=False)
         return value
 
     def key(self) -> tuple[str, str, bool]:

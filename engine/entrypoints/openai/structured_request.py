@@ -15,7 +15,6 @@ from epdserve.engine.entrypoints.openai.errors import APIError
 from epdserve.engine.entrypoints.openai.tool_request import ToolRequest
 from epdserve.engine.structured import backend
 from epdserve.engine.structured.params import KINDS, StructuredOutputsParams
-from epdserve.engine.structured.schema_check import check_schema, tag_schemas
 
 GUIDED = {
     "guided_json": "json",
@@ -90,16 +89,7 @@ def _build(one: Constraint, options: dict) -> StructuredOutputsParams:
         params = StructuredOutputsParams(**{one.kind: one.value}, **options)
     except ValueError as exc:
         raise _named(one.field, exc) from None
-    schemas = [params.json] if params.kind == "json" else []
-    if params.kind == "structural_tag":
-        schemas = tag_schemas(params.structural_tag)
-    spent = [0]
-    try:
-        for schema in schemas:
-            check_schema(schema, spent)
-    except ValueError as exc:
-        raise _named(one.field, exc) from None
-    try:
+    try:  # the schema keyword check, then the grammar build
         backend.validate(params, field=one.field)
     except ValueError as exc:
         raise APIError(400, str(exc), one.field) from None
