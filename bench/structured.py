@@ -12,17 +12,17 @@ random``, 64 prompts of 128 tokens, 128 output tokens, ``--request-rate inf``: a
 concurrent, ``--ignore-eos``; ``--quick``: 16 x 128/32):
 
 - ``plain``: unconstrained;
-- ``json``: the same prompts (same seed) with ``response_format`` json_schema (``SCHEMA``:
-  128 records of patterns, enums, bounded numbers and nested arrays, which no output finishes
-  within 128 tokens, so both traffics decode the same number of tokens) and vLLM's
-  ``structured_outputs: {"disable_any_whitespace": true}`` (whitespace would let a random
-  model wander off the schema's structure).
+- ``json``: the same prompts (same seed) with vLLM's ``structured_outputs: {"json": SCHEMA,
+  "disable_any_whitespace": true}`` (``SCHEMA``: 128 records of patterns, enums, bounded
+  numbers and nested arrays, which no output finishes within 128 tokens, so both traffics
+  decode the same number of tokens; free whitespace would let a random model wander off the
+  schema's structure into whitespace).
 
 Each server start: a probe (one small schema, greedy: both engines must answer valid JSON),
 one warm-up run of each traffic (not counted), then ``--rounds`` rounds of both traffics
 (order flipping each round, each round its own seed). Each run records the share of its
-outputs that the schema's grammar accepts as a prefix (``json``: must be 1.0; ``plain``:
-near 0) and its output tokens. Medians over all rounds of both starts. Ratios: our overhead
+succeeded outputs that the schema's grammar accepts as a prefix (``json``: must be 1.0;
+``plain``: near 0; none succeeded: 0) and its output tokens. Medians over all rounds of both starts. Ratios: our overhead
 ``1 - json/plain`` (goal <= 0.15), vLLM's, and ours / vLLM's on ``json`` (goal >= 1.0).
 
     python bench/structured.py [--rounds 2] [--quick] [--vllm-venv DIR] [--no-install]
@@ -72,12 +72,12 @@ SCHEMA = {
 }
 PROBE_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2]}},
                 "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
-NO_WHITESPACE = {"structured_outputs": {"disable_any_whitespace": True}}
 
 
-def json_body(schema: dict, name: str = "records") -> dict:
-    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
-    return {"response_format": fmt, **NO_WHITESPACE}
+def json_body(schema: dict) -> dict:
+    """vLLM's ``structured_outputs`` (both engines take it; vLLM refuses options beside a
+    ``response_format``, so free whitespace could not be turned off there)."""
+    return {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}
 
 
 class StructuredServer(Server):
@@ -90,9 +90,13 @@ class StructuredServer(Server):
         return cmd + ["--extra-body", json.dumps(body)] if body else cmd
 
     def bench_texts(self, shape: tuple, seed: int) -> tuple[dict, list[str], list[int]]:
+        """A run, the texts of its requests that succeeded, and its output lengths."""
         out = self.bench(shape, seed)
         data = json.loads((self.tmp / "run.json").read_text())
-        return out, data.get("generated_texts", []), data.get("output_lens", [])
+        texts = data.get("generated_texts", [])
+        errors = data.get("errors", [""] * len(texts))
+        ok = [t for t, e in zip(texts, errors, strict=True) if not e]
+        return out, ok, data.get("output_lens", [])
 
 
 def make_plan(rounds: int, quick: bool) -> list[tuple[str, tuple, int]]:
@@ -123,7 +127,7 @@ def prefix_checker(model: Path):
 def probe(url: str) -> dict:
     """One greedy completion under ``PROBE_SCHEMA``: its text and whether it is valid."""
     body = {"model": "bench", "prompt": "Answer:", "max_tokens": 32, "temperature": 0,
-            **json_body(PROBE_SCHEMA, "probe")}  # fmt: skip
+            **json_body(PROBE_SCHEMA)}  # fmt: skip
     try:
         req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})  # fmt: skip
