@@ -14,6 +14,7 @@ from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.structured import StructuredOutputsParams as SO
 from epdserve.engine.structured import manager as manager_mod
+from epdserve.engine.structured import mask as mask_mod
 from epdserve.engine.structured.mask import apply_bitmask
 
 SCHEMA = {
@@ -185,8 +186,9 @@ def test_equal_specs_share_one_compile(models):
     core.close()
 
 
+@pytest.mark.parametrize("kernel", ["xgrammar", "torch"])
 @pytest.mark.parametrize("vocab", [64, 100])
-def test_bitmask_rows_mask_exactly_the_disallowed_tokens(vocab):
+def test_bitmask_rows_mask_exactly_the_disallowed_tokens(vocab, kernel, monkeypatch):
     import xgrammar as xgr
 
     gen = torch.Generator().manual_seed(vocab)
@@ -196,12 +198,16 @@ def test_bitmask_rows_mask_exactly_the_disallowed_tokens(vocab):
     packed = packed.to(torch.int64).where(packed < 2**31, packed - 2**32).to(torch.int32)
     logits = torch.randn(5, vocab + 3, generator=gen)  # wider than the grammar's vocabulary
     ours, ref = logits.clone(), logits.clone()
+    if kernel == "torch":
+        monkeypatch.setattr(mask_mod, "apply_token_bitmask_inplace", None)
     apply_bitmask(ours, [4, 0, 2], packed.numpy().tobytes(), 3)
     full = torch.full((5, words), -1, dtype=torch.int32)
     full[[4, 0, 2]] = packed
     xgr.apply_token_bitmask_inplace(ref, full, vocab_size=vocab)
     assert torch.equal(ours[:, :vocab], ref[:, :vocab])
     assert torch.equal(ours[[1, 3]], logits[[1, 3]])
+    covered = words * 32  # columns past the grammar's vocabulary are never allowed
+    assert bool((ours[[4, 0, 2], covered:] == float("-inf")).all())
 
 
 def test_a_prefill_for_a_decode_pod_compiles_no_grammar(models):
