@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 
 import httpx
-from serving_support import ServerProcess
+from serving_support import ServerProcess, free_port, wait_ready
 
 from epdserve.common import metrics_text
 
@@ -122,3 +126,26 @@ def engine_core(path, role: str | None = None, volume=None, **extra):
         transfer["kv_connector_extra_config"] = {"path": str(volume)}
         kwargs.update(role=role, kv_transfer_config=json.dumps(transfer))
     return EngineCore(EngineConfig(**kwargs))
+
+
+class PDRouter:
+    """``epdserve router`` in P/D mode over one prefill and one decode pod (no events)."""
+
+    def __init__(self, model: str, prefill: ServerProcess, decode: ServerProcess):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "epdserve.engine.cli", "router", "--port", str(self.port)]
+        cmd += ["--model", model, "--served-model-name", "tiny"]
+        cmd += ["--prefill-endpoint", f"{prefill.url},events=none,replay=none"]
+        cmd += ["--decode-endpoint", f"{decode.url},events=none,replay=none"]
+        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        try:
+            wait_ready(self.url, self.proc, 60)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(15)

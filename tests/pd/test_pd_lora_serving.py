@@ -7,17 +7,13 @@ another model's blocks, on either pod."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from pd_support import SEED, loadable_tokens, prompts, transfer_config
-from serving_support import ServerProcess, free_port, wait_ready
+from pd_support import SEED, PDRouter, loadable_tokens, prompts, transfer_config
+from serving_support import ServerProcess
 
 from epdserve.common import metrics_text
 from epdserve.engine.lora.random_adapters import write_random_adapters
@@ -25,29 +21,6 @@ from epdserve.engine.lora.random_adapters import write_random_adapters
 MODELS = ("lora0", "lora1", "tiny")  # the adapters first: the base model asks last
 MAX_TOKENS = 8
 CHAT = [{"role": "user", "content": "tell me about caches and adapters " * 3}]
-
-
-class RouterProcess:
-    """``epdserve router`` in P/D mode over one prefill and one decode pod."""
-
-    def __init__(self, model: str, prefill: ServerProcess, decode: ServerProcess):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "epdserve.engine.cli", "router", "--port", str(self.port)]
-        cmd += ["--model", model, "--served-model-name", "tiny"]
-        cmd += ["--prefill-endpoint", f"{prefill.url},events=none,replay=none"]
-        cmd += ["--decode-endpoint", f"{decode.url},events=none,replay=none"]
-        self.proc = subprocess.Popen(cmd, start_new_session=True)
-        try:
-            wait_ready(self.url, self.proc, 60)
-        except RuntimeError:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(15)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +54,7 @@ def pool(models, redis_server, tmp_path_factory):
             }
             for name, future in futures.items():
                 pods[name] = future.result()
-        router = RouterProcess(model, pods["prefill"], pods["decode"])
+        router = PDRouter(model, pods["prefill"], pods["decode"])
         yield pods["colocated"], pods["prefill"], pods["decode"], router
     finally:
         if router is not None:
