@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from epdserve.engine.structured.params import StructuredOutputsParams
@@ -84,9 +86,19 @@ def _grammar(params: StructuredOutputsParams):
     return xgr.Grammar.from_structural_tag(params.spec_text())
 
 
+VALID_ENTRIES = 1024  # specs known to be valid, so a repeated one is not built again
+_VALID: OrderedDict[tuple, None] = OrderedDict()
+_VALID_LOCK = threading.Lock()  # validate runs in worker threads
+
+
 def validate(params: StructuredOutputsParams, field: str | None = None) -> None:
     """``ValueError("<field>: ...")`` when the spec does not build a grammar, or a JSON
     schema in it has keywords the grammar would not enforce (``schema_check``)."""
+    key = params.key()
+    with _VALID_LOCK:
+        if key in _VALID:  # the same spec again (the common case): checked already
+            _VALID.move_to_end(key)
+            return
     name = field or f"structured_outputs.{params.kind}"
     schemas = [params.json] if params.kind == "json" else []
     if params.kind == "structural_tag":
@@ -101,6 +113,10 @@ def validate(params: StructuredOutputsParams, field: str | None = None) -> None:
         _grammar(params)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError/its own types
         raise ValueError(f"{name}: {_message(exc)}") from None
+    with _VALID_LOCK:
+        _VALID[key] = None
+        while len(_VALID) > VALID_ENTRIES:
+            _VALID.popitem(last=False)
 
 
 def tokenizer_info(model_dir: str | Path, vocab_size: int, stop_token_ids: list[int]):
