@@ -34,7 +34,7 @@ def test_our_overhead_is_one_minus_json_over_plain_medians():
     assert "vllm" not in out
 
 
-def test_vllm_variant_is_the_best_on_json_traffic_and_failed_ones_are_skipped():
+def test_vllm_json_and_plain_each_at_their_best_variant_and_failed_ones_are_skipped():
     ours = engine([200.0, 200.0], [160.0, 160.0])
     vllm = {
         "auto": engine([300.0, 300.0], [100.0, 100.0]),
@@ -42,10 +42,11 @@ def test_vllm_variant_is_the_best_on_json_traffic_and_failed_ones_are_skipped():
         "broken": {"error": "did not start"},
     }
     out = bench.aggregate(ours, vllm)
-    assert out["vllm"]["variant"] == "nobind"
+    assert (out["vllm"]["variant"], out["vllm"]["variant_plain"]) == ("nobind", "auto")
     assert set(out["vllm"]["variants"]) == {"auto", "nobind"}
-    assert out["ratios"] == {"ours_overhead": 0.2, "vllm_overhead": 0.5,
-                             "ours_over_vllm_json": 1.28, "ours_over_vllm_plain": 0.8}  # fmt: skip
+    assert out["vllm"]["overhead"] == 0.5  # the json variant's own
+    assert out["ratios"] == {"ours_overhead": 0.2, "vllm_overhead": 0.583,
+                             "ours_over_vllm_json": 1.28, "ours_over_vllm_plain": 0.667}  # fmt: skip
     assert out["goals"]["ours_over_vllm_json"]["met"] is True
     assert out["goals"]["ours_overhead"]["met"] is False
 
@@ -103,4 +104,5 @@ def test_no_output_can_complete_the_schema_within_128_tokens(models):
     accepts = bench.prefix_checker(models.get("llama"))
     assert accepts(shortest[:200]) and accepts('{"records": [{"id": 12')
     assert accepts(json.dumps({"records": [record] * 3}, separators=(",", ":"))[:-2])  # vLLM's
+    assert accepts('{"records":[{"id": 1,"name":"ab"')  # vLLM's xgrammar 0.2.8 mixes them
     assert not accepts("hello") and not accepts('{"records": []}')
