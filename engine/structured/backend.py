@@ -38,7 +38,7 @@ _BOUNDED = r'^[^"\\\x00-\x1f]{%d,%s}$'
 
 
 def _bounded_strings(schema):
-    """``schema`` with every ``type: string`` that has minLength/maxLength (and no pattern
+    """``schema`` with every string type (alone or in a type list) that has minLength/maxLength (and no pattern
     or format) rewritten as a pattern of the same lengths (the copy keeps key order)."""
     if isinstance(schema, list):
         return [_bounded_strings(v) for v in schema]
@@ -48,7 +48,11 @@ def _bounded_strings(schema):
     lo, hi = out.get("minLength"), out.get("maxLength")
     lengths = [v for v in (lo, hi) if v is not None]
     if (
-        out.get("type") == "string"
+        (
+            out.get("type") == "string"
+            or isinstance(out.get("type"), list)
+            and "string" in out["type"]
+        )
         and lengths
         and all(isinstance(v, int) and not isinstance(v, bool) for v in lengths)
         and "pattern" not in out
@@ -65,7 +69,9 @@ def schema_text(params: StructuredOutputsParams) -> str:
 
 
 def _json_kwargs(params: StructuredOutputsParams) -> dict:
-    return {"any_whitespace": not params.disable_any_whitespace, "strict_mode": True}
+    if params.disable_any_whitespace:  # compact, as vLLM writes it: no space after , or :
+        return {"any_whitespace": False, "separators": (",", ":"), "strict_mode": True}
+    return {"any_whitespace": True, "strict_mode": True}
 
 
 def _grammar(params: StructuredOutputsParams):
