@@ -186,28 +186,30 @@ def test_equal_specs_share_one_compile(models):
     core.close()
 
 
-@pytest.mark.parametrize("kernel", ["xgrammar", "torch"])
+@pytest.mark.parametrize("kernel", ["cpu", "torch"])
+@pytest.mark.parametrize("rows", [[4, 0, 2], [0, 1, 2, 3, 4]], ids=["some-rows", "every-row"])
 @pytest.mark.parametrize("vocab", [64, 100])
-def test_bitmask_rows_mask_exactly_the_disallowed_tokens(vocab, kernel, monkeypatch):
+def test_bitmask_rows_mask_exactly_the_disallowed_tokens(vocab, rows, kernel, monkeypatch):
     import xgrammar as xgr
 
     gen = torch.Generator().manual_seed(vocab)
-    words = (vocab + 31) // 32
-    bits = torch.randint(0, 2, (3, words * 32), generator=gen, dtype=torch.int64)
-    packed = (bits.view(3, words, 32) << torch.arange(32)).sum(-1)
+    words, n = (vocab + 31) // 32, len(rows)
+    bits = torch.randint(0, 2, (n, words * 32), generator=gen, dtype=torch.int64)
+    packed = (bits.view(n, words, 32) << torch.arange(32)).sum(-1)
     packed = packed.to(torch.int64).where(packed < 2**31, packed - 2**32).to(torch.int32)
     logits = torch.randn(5, vocab + 3, generator=gen)  # wider than the grammar's vocabulary
     ours, ref = logits.clone(), logits.clone()
-    if kernel == "torch":
-        monkeypatch.setattr(mask_mod, "apply_token_bitmask_inplace", None)
-    apply_bitmask(ours, [4, 0, 2], packed.numpy().tobytes(), 3)
+    if kernel == "torch":  # the path for devices without xgrammar's kernel
+        monkeypatch.setattr(mask_mod, "_apply_cpu", mask_mod._apply_torch)
+    apply_bitmask(ours, rows, packed.numpy().tobytes(), n)
     full = torch.full((5, words), -1, dtype=torch.int32)
-    full[[4, 0, 2]] = packed
-    xgr.apply_token_bitmask_inplace(ref, full, vocab_size=vocab)
+    full[rows] = packed
+    xgr.apply_token_bitmask_inplace(ref, full, vocab_size=vocab)  # the reference
     assert torch.equal(ours[:, :vocab], ref[:, :vocab])
-    assert torch.equal(ours[[1, 3]], logits[[1, 3]])
+    others = [r for r in range(5) if r not in rows]
+    assert torch.equal(ours[others], logits[others])
     covered = words * 32  # columns past the grammar's vocabulary are never allowed
-    assert bool((ours[[4, 0, 2], covered:] == float("-inf")).all())
+    assert bool((ours[rows, covered:] == float("-inf")).all())
 
 
 def test_a_prefill_for_a_decode_pod_compiles_no_grammar(models):
