@@ -82,6 +82,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._bitmask = None  # [max_rows, ceil(vocab / 32)] int32, allocated on first use
         self._batch = None  # xgrammar's batch matcher: fills every row in one call
+        self._live: dict[str, Request] = {}  # the requests with a grammar, not yet seen gone
         self.compiles = 0
         self.cache_hits = 0
 
@@ -101,6 +102,7 @@ class StructuredOutputManager:
             self.cache_hits += 1
         deadline = time.monotonic() + self.compile_timeout_s
         request.grammar = GrammarState(future, deadline, f"structured_outputs.{params.kind}")
+        self._live[request.request_id] = request
 
     def _compile(self, params: StructuredOutputsParams):
         if self._compiler is None:
@@ -112,11 +114,17 @@ class StructuredOutputManager:
         return compiled
 
     def fill(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """Give ``sched`` the allowed tokens of its rows that sample under a grammar."""
+        """Give ``sched`` the allowed tokens of its rows that sample under a grammar. Steps
+        with no request under a grammar cost one dict check."""
+        if not self._live:
+            return
+        for req_id in [i for i, r in self._live.items() if requests.get(i) is not r]:
+            del self._live[req_id]  # finished or aborted since
+        scheduled = sched.num_scheduled_tokens
         rows = [
             r
-            for r in map(requests.get, sched.num_scheduled_tokens)
-            if r is not None and r.grammar is not None and r.num_computed_tokens >= r.num_tokens
+            for i, r in self._live.items()
+            if i in scheduled and r.num_computed_tokens >= r.num_tokens
         ]
         if rows:
             sched.grammar_req_ids = [r.request_id for r in rows]
