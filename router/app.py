@@ -15,13 +15,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from epdserve import __version__
 from epdserve.connectors.slow_clients import DEFAULT_BODY_TIMEOUT, BodyReadTimeout
 from epdserve.router.disagg import handle as disagg_handle
-from epdserve.router.guard import ApiKeyCheck, BodyLimit
+from epdserve.router.guard import ApiKeyCheck, BodyLimit, TenantCheck
 from epdserve.router.loadstats import scrape_forever
 from epdserve.router.lora_route import prepare as prepare_adapter
 from epdserve.router.lora_route import with_adapters
 from epdserve.router.processed import FIELD as PROCESSED
 from epdserve.router.proxy import ProxyError, open_upstream, relay, request_headers
 from epdserve.router.service import Router
+from epdserve.router.tenant_gate import Tenancy, add_gate
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class ProxySettings:
     max_upstream_connections: int | None = 4096  # to all pods together (503 + Retry-After)
     max_keepalive_connections: int = 256  # idle upstream connections kept for reuse
     max_pod_connections: int | None = 1024  # requests in flight to one pod (then it is busy)
+    tenancy: Tenancy | None = None  # tenants and the fair queue (router/tenant_gate.py)
 
     def upstream_limits(self) -> httpx.Limits:
         keepalive = self.max_keepalive_connections
@@ -90,13 +92,20 @@ def build_app(router: Router, settings: ProxySettings, discovery=None, disagg=No
                 disagg.close()
 
     app = FastAPI(title="epdserve router", lifespan=lifespan)
+    tenancy = settings.tenancy
+    if tenancy is not None:  # inside BodyLimit: it reads the replayed body
+        app.state.fair_queue = add_gate(
+            app, tenancy, router.metrics.registry, lambda: len(plain_router().available())
+        )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=router.metrics)
     app.add_middleware(  # outside BodyLimit, which reads every body through it
         BodyReadTimeout,
         timeout=settings.body_timeout,
         on_timeout=router.metrics.client_errors.labels("body_timeout").inc,
     )
-    if settings.api_key:  # added last: checked first, before any body is read
+    if tenancy is not None:  # added last: checked first, before any body is read
+        app.add_middleware(TenantCheck, identity=tenancy.identity, metrics=router.metrics)
+    elif settings.api_key:
         app.add_middleware(ApiKeyCheck, api_key=settings.api_key, metrics=router.metrics)
 
     def plain_router() -> Router:

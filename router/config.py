@@ -7,6 +7,7 @@ is ``EPDSERVE_MAX_ATTEMPTS``; a flag wins. The operator passes exactly these fla
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from epdserve.common.cli_fields import setting
@@ -15,6 +16,7 @@ from epdserve.router.lora import AdapterPolicy, parse_modules
 from epdserve.router.strategy import STRATEGIES
 
 POSITIVE_INTS = ("limit_concurrency", "max_upstream_connections", "max_pod_connections")
+TOKEN = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]{1,64}$")  # an HTTP header name
 POSITIVE_SECONDS = ("timeout_keep_alive", "header_read_timeout", "body_read_timeout")
 
 
@@ -123,6 +125,24 @@ class RouterConfig:
     api_key: str | None = setting(
         None, "require Authorization: Bearer KEY on every route but /health, /ready, /metrics"
     )
+    tenant_keys: str | None = setting(
+        None,
+        "tenants: a JSON or YAML file {tenants: [{name, weight, priority, keys}]} (a mounted "
+        "Secret); a key there names its tenant, --api-key stays valid for the default tenant",
+    )
+    tenant_header: str | None = setting(
+        None, "trust this header (set by a gateway) for the tenant name; default: not trusted"
+    )
+    max_inflight_per_pod: int = setting(
+        0,
+        "generation requests the router sends each pod at once; past it they wait in "
+        "per-tenant queues served by weight (0: no queue)",
+    )
+    tenant_queue_size: int = setting(256, "requests one tenant may have waiting (then 429)")
+    tenant_queue_timeout: float = setting(30.0, "s a request may wait for a slot (then 503)")
+    tenant_priority: bool = setting(
+        False, "set a tenant's configured priority as the request's priority field"
+    )
     log_level: str = setting(
         "info",
         "log level; per-request and per-scrape lines only at debug",
@@ -165,6 +185,11 @@ class RouterConfig:
             if getattr(self, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
         parse_modules(self.lora_modules)
+        if self.max_inflight_per_pod < 0:
+            raise ValueError("--max-inflight-per-pod must be >= 0")
+        if self.tenant_queue_size < 1 or self.tenant_queue_timeout <= 0:
+            raise ValueError("--tenant-queue-size must be >= 1, --tenant-queue-timeout > 0")
+        self.tenancy()  # a bad tenant file or header name fails here
 
     def adapter_policy(self) -> AdapterPolicy:
         """The LoRA settings every role's router shares."""
@@ -175,6 +200,28 @@ class RouterConfig:
             list_interval=self.lora_models_interval,
             api_key=self.api_key or None,
         )
+
+    def tenancy(self):
+        """Tenant identity and fair-queue settings; None when no tenant flag is set."""
+        from epdserve.router.tenant_gate import GateSettings, Tenancy
+        from epdserve.router.tenants import Identity, TenantTable
+
+        if not (self.tenant_keys or self.tenant_header or self.max_inflight_per_pod):
+            return None
+        header = (self.tenant_header or "").strip().lower()
+        if self.tenant_header is not None and not TOKEN.match(header) or header == "authorization":
+            raise ValueError(f"--tenant-header must be a header name, got {self.tenant_header!r}")
+        table = TenantTable.load(self.tenant_keys) if self.tenant_keys else TenantTable.empty()
+        identity = Identity(
+            table, header.encode() or None, self.api_key.encode() if self.api_key else None
+        )
+        gate = GateSettings(
+            self.max_inflight_per_pod,
+            self.tenant_queue_size,
+            self.tenant_queue_timeout,
+            self.tenant_priority,
+        )
+        return Tenancy(identity, gate)
 
     def strategy_weights(self) -> dict[str, float]:
         """The keyword arguments of ``make_strategy(self.strategy)``."""
@@ -210,6 +257,7 @@ class RouterConfig:
             body_timeout=self.body_read_timeout,
             max_upstream_connections=self.max_upstream_connections,
             max_pod_connections=self.max_pod_connections,
+            tenancy=self.tenancy(),
         )
 
     def http_limits(self):

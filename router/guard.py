@@ -10,6 +10,7 @@ import hmac
 
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.proxy import openai_error
+from epdserve.router.tenants import BadTenantHeader, Identity
 
 # probes, scrapes and /version need no key (as on an engine pod)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
@@ -34,16 +35,56 @@ class ApiKeyCheck:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             if not self.authorized(scope):
-                self.metrics.client_errors.labels("unauthorized").inc()
-                response = openai_error(
-                    401,
-                    "missing or invalid API key (Authorization: Bearer <key>)",
-                    "AuthenticationError",
-                    headers={"www-authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
+                await _unauthorized(self.metrics)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _unauthorized(metrics: RouterMetrics):
+    metrics.client_errors.labels("unauthorized").inc()
+    return openai_error(
+        401,
+        "missing or invalid API key (Authorization: Bearer <key>)",
+        "AuthenticationError",
+        headers={"www-authenticate": "Bearer"},
+    )
+
+
+class TenantCheck:
+    """``ApiKeyCheck`` with tenants (router/tenants.py ``Identity`` has the rules): puts
+    the request's ``Tenant`` in ``scope["state"]["tenant"]``, answers 401 to a key that is
+    neither a tenant's nor the shared ``--api-key``, 400 to a bad gateway tenant header.
+    A tenant's key never reaches the pods: upstream it becomes the shared key (or none)."""
+
+    def __init__(self, app, identity: Identity, metrics: RouterMetrics) -> None:
+        self.app, self.identity, self.metrics = app, identity, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
+        token = token.strip() if scheme.lower() == b"bearer" else None
+        header = _header(scope, self.identity.header) if self.identity.header else None
+        try:
+            tenant = self.identity.identify(token, header)
+        except BadTenantHeader as exc:
+            self.metrics.client_errors.labels("bad_tenant_header").inc()
+            await openai_error(400, str(exc), "BadRequestError")(scope, receive, send)
+            return
+        if tenant is None:
+            await _unauthorized(self.metrics)(scope, receive, send)
+            return
+        scope = dict(scope, state={**scope.get("state", {}), "tenant": tenant})
+        if token and self.identity.table.by_key(token) is not None:
+            scope["headers"] = self._upstream_auth(scope["headers"])
+        await self.app(scope, receive, send)
+
+    def _upstream_auth(self, headers):
+        kept = [(k, v) for k, v in headers if k.lower() != b"authorization"]
+        if self.identity.api_key is not None:
+            kept.append((b"authorization", b"Bearer " + self.identity.api_key))
+        return kept
 
 
 class BodyLimit:
