@@ -2,9 +2,11 @@
 
 Batches are applied to the :class:`PrefixIndex` strictly in seq order. A seq gap asks the
 pod's replay socket for what was lost (again and again while answers come: a pod caps each
-answer); whatever the replay cannot return is counted as missed. A seq that goes backwards
-with a payload other than the one applied for it means the pod's publisher restarted: the
-pod's blocks are dropped and resynced from seq 0.
+answer); whatever the replay cannot return is counted as missed, and the pod's entries are
+dropped (a lost removal would leave stale ones): the batches from there on rebuild them. A
+seq that goes backwards with a payload other than the one applied for it means the pod's
+publisher restarted: the pod's blocks are dropped and resynced from seq 0. A periodic check
+(:mod:`.reconcile`) catches the rest: a restart not seen in the seq numbers, and drift.
 """
 
 from __future__ import annotations
@@ -14,47 +16,22 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from epdserve.connectors.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    CurveClientKeys,
-    EventDecodeError,
-    EventDecoder,
-)
-from epdserve.connectors.kv_events.sockets import DEFAULT_MAX_EVENT_BYTES
-from epdserve.router.index import IngestResult, PrefixIndex
+from epdserve.connectors.kv_events import EventDecodeError, EventDecoder
+from epdserve.connectors.kv_events.digest import StreamDigest
+from epdserve.router.event_stream import HANDSHAKE_FAILED, EventSocketOptions, record_ingest
+from epdserve.router.index import PrefixIndex
 from epdserve.router.metrics import RouterMetrics
+from epdserve.router.reconcile import RECONCILE_INTERVAL, Reconciler, healing_metrics, log_resync
 from epdserve.router.seedcheck import RootHashCheck
 
 log = logging.getLogger(__name__)
 RECENT_SEQS = 4096  # payload fingerprints kept to tell replay duplicates from a restart
 MAX_REPLAY_ROUNDS = 1000  # capped answers asked for in a row before giving up on the rest
 RECONNECT_INTERVAL = 1.0  # s between our own reconnects after a dropped connection
-HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-
-
-@dataclass(frozen=True)
-class EventSocketOptions:
-    """How the router's SUB and replay DEALER sockets talk to the pods."""
-
-    curve: CurveClientKeys | None = None  # Curve client keys (the pods are Curve servers)
-    max_message_bytes: int = DEFAULT_MAX_EVENT_BYTES  # larger frames: the pod is dropped
-
-    def apply(self, socket: zmq.Socket) -> None:
-        """Set on ``socket`` before it connects."""
-        socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        if self.curve is not None:
-            self.curve.apply(socket)
 
 
 class PodSubscriber:
@@ -71,18 +48,24 @@ class PodSubscriber:
         replay_timeout: float = 2.0,
         root_check: RootHashCheck | None = None,
         options: EventSocketOptions | None = None,
+        reconcile_interval: float = RECONCILE_INTERVAL,
     ) -> None:
         self.pod = pod
-        self._options = options or EventSocketOptions()
-        self._events, self._replay_endpoint = events_endpoint, replay_endpoint
-        self._index, self._metrics = index, metrics
+        self.options = options or EventSocketOptions()
+        self._events, self.replay_endpoint = events_endpoint, replay_endpoint
+        self._index, self.metrics = index, metrics
         self._root_check = root_check
-        self._context = context or zmq.Context.instance()
-        self._replay_timeout_ms = int(replay_timeout * 1000)
+        self.context = context or zmq.Context.instance()
+        self.replay_timeout_ms = int(replay_timeout * 1000)
         self._decoder = EventDecoder()
         self._stop = threading.Event()
         self.last_seq: int | None = None
         self._recent: OrderedDict[int, int] = OrderedDict()  # seq -> hash(payload)
+        # the pod's blocks by the batches applied (None: unknown, after lost batches)
+        self.digest: StreamDigest | None = StreamDigest()
+        self._check = Reconciler(self, reconcile_interval)
+        self._first_replayed: tuple[int, int] | None = None
+        healing_metrics(metrics).watch(index)
         self.duplicates = 0
         self.batches_applied = 0
         self.missed = 0
@@ -103,11 +86,11 @@ class PodSubscriber:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        sub = self._context.socket(zmq.SUB)
+        sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVHWM, 100_000)
-        self._options.apply(sub)
+        self.options.apply(sub)
         monitor = sub.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -123,8 +106,10 @@ class PodSubscriber:
                     self._on_live_guarded(sub.recv_multipart())
                 if self._reconnect_at is not None and time.monotonic() >= self._reconnect_at:
                     self._reconnect(sub)
+                if self._check.due():
+                    self._check.run()
         except zmq.ZMQError:
-            self._metrics.events_invalid.labels(self.pod).inc()
+            self.metrics.events_invalid.labels(self.pod).inc()
             log.exception("KV event subscriber for %s stopped", self.pod)
         finally:
             sub.disable_monitor()
@@ -160,12 +145,12 @@ class PodSubscriber:
         try:
             self._on_live(frames)
         except Exception:  # one bad message must not stop the subscriber
-            self._metrics.events_invalid.labels(self.pod).inc()
+            self.metrics.events_invalid.labels(self.pod).inc()
             log.exception("pod %s: failed to apply a KV event message", self.pod)
 
     def _on_live(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
-            self._metrics.events_invalid.labels(self.pod).inc()
+            self.metrics.events_invalid.labels(self.pod).inc()
             return
         seq = int.from_bytes(frames[1], "big")
         last = self.last_seq
@@ -173,11 +158,7 @@ class PodSubscriber:
             if self._recent.get(seq) == hash(frames[2]):
                 self.duplicates += 1  # already applied (from a replay)
                 return
-            log.warning("pod %s: event seq went back %d -> %d; resyncing", self.pod, last, seq)
-            self._index.clear_pod(self.pod)
-            self._recent.clear()
-            self.last_seq = None
-            self._catch_up(0, until=seq)
+            self.resync("restart", until=seq, detail=f"event seq went back {last} -> {seq}")
             if self.last_seq is not None and seq <= self.last_seq:
                 return
         elif last is not None and seq > last + 1:
@@ -186,10 +167,30 @@ class PodSubscriber:
                 return
         self._accept(seq, frames[2])
 
+    @property
+    def next_seq(self) -> int:
+        """The seq of the next batch to apply."""
+        return 0 if self.last_seq is None else self.last_seq + 1
+
+    def resync(self, reason: str, until: int | None = None, detail: str = "") -> None:
+        """Drop the pod's entries and rebuild them by a replay from seq 0."""
+        log_resync(self.metrics, self.pod, reason, detail or "replaying from seq 0")
+        self._index.clear_pod(self.pod)
+        self._recent.clear()
+        self.last_seq, self.digest = None, StreamDigest()
+        if reason == "restart":
+            self._check.instance = None  # a new publisher: the next check learns its id
+        self._catch_up(0, until=until)
+
     def _accept(self, seq: int, payload: bytes) -> None:
-        expected = 0 if self.last_seq is None else self.last_seq + 1
+        expected = self.next_seq
         if seq > expected:  # a publisher starts at 0: anything skipped is lost
             self._count_missed(seq - expected)
+            self.digest = None  # the next check adopts the pod's
+            if self.last_seq is not None:  # a lost removal leaves a stale entry: start over
+                self._index.clear_pod(self.pod)
+                detail = f"batches {expected}..{seq - 1} lost; rebuilding from {seq} on"
+                log_resync(self.metrics, self.pod, "missed", detail)
         self.last_seq = seq
         self._recent[seq] = hash(payload)
         if len(self._recent) > RECENT_SEQS:
@@ -197,75 +198,76 @@ class PodSubscriber:
         try:
             batch = self._decoder.decode(payload)
         except EventDecodeError:
-            self._metrics.events_invalid.labels(self.pod).inc()
+            self.metrics.events_invalid.labels(self.pod).inc()
+            self.digest = None  # its events are unknown: the check cannot compare
             return
-        self._record(self._index.apply(self.pod, batch), batch.events)
+        if self.digest is not None:
+            self.digest.apply(batch.events)
+        result = self._index.apply(self.pod, batch)
+        record_ingest(self.metrics, self.pod, result, batch.events, self._root_check)
         self.batches_applied += 1
 
     def _count_missed(self, n: int) -> None:
         self.missed += n
-        self._metrics.events_missed.labels(self.pod).inc(n)
+        self.metrics.events_missed.labels(self.pod).inc(n)
 
-    def _record(self, result: IngestResult, events: list) -> None:
-        m = self._metrics
-        counts = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
-        for event in events:
-            if isinstance(event, BlockStored):
-                counts["BlockStored"] += 1
-            elif isinstance(event, BlockRemoved):
-                counts["BlockRemoved"] += 1
-            elif isinstance(event, AllBlocksCleared):
-                counts["AllBlocksCleared"] += 1
-        for kind, n in counts.items():
-            if n:
-                m.events_received.labels(self.pod, kind).inc(n)
-        if result.orphaned:
-            m.blocks_unindexed.labels(self.pod, "unknown_parent").inc(result.orphaned)
-        if result.skipped:
-            m.blocks_unindexed.labels(self.pod, "extra_keys_or_invalid").inc(result.skipped)
-        if result.roots and self._root_check is not None:
-            self._root_check.observe(self.pod, result.roots)
+    def catch_up(self, start: int, stop: int) -> None:
+        """Apply the pod's batches ``start <= seq < stop`` by replay (the periodic check)."""
+        self._catch_up(start, until=stop - 1, stop=stop)
 
-    def _catch_up(self, start: int, until: int | None = None) -> None:
+    def probe(self, seq: int) -> tuple[str | None, bool]:
+        """Replay from ``seq`` (applied already): the outcome, and whether the pod still
+        holds that batch unchanged (else it is another process)."""
+        outcome = self._replay(seq)
+        return outcome, self._first_replayed == (seq, self._recent.get(seq))
+
+    def _catch_up(self, start: int, until: int | None = None, stop: int | None = None) -> None:
         """Replay from ``start`` until an answer brings nothing new or ``until`` is reached
         (a pod caps each answer, so one request may not bring everything)."""
         for _ in range(MAX_REPLAY_ROUNDS):
             before = self.last_seq
-            if self._replay(start) != "ok" or self.last_seq == before or self._stop.is_set():
+            if self._replay(start, stop) != "ok" or self.last_seq == before or self._stop.is_set():
                 return
             if until is not None and self.last_seq >= until:
                 return
             start = self.last_seq + 1
 
-    def _replay(self, start: int) -> str | None:
-        """Ask the replay socket for the batches from ``start`` on and apply them."""
-        if not self._replay_endpoint:
+    def _replay(self, start: int, stop: int | None = None) -> str | None:
+        """Ask the replay socket for the batches from ``start`` on and apply those before
+        ``stop``."""
+        if not self.replay_endpoint:
             return None
-        dealer = self._context.socket(zmq.DEALER)
+        dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        self._options.apply(dealer)
+        self.options.apply(dealer)
         try:
-            dealer.connect(self._replay_endpoint)
+            dealer.connect(self.replay_endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")], flags=zmq.NOBLOCK)
-            outcome = self._read_replay(dealer)
+            outcome = self._read_replay(dealer, stop)
         except zmq.ZMQError:
             outcome = "error"
         finally:
             dealer.close()
-        self._metrics.replays.labels(self.pod, outcome).inc()
+        self.metrics.replays.labels(self.pod, outcome).inc()
         return outcome
 
-    def _read_replay(self, dealer: zmq.Socket) -> str:
+    def _read_replay(self, dealer: zmq.Socket, stop: int | None) -> str:
+        self._first_replayed = None  # (seq, hash(payload)) of the answer's first batch
         while not self._stop.is_set():
-            if not dealer.poll(self._replay_timeout_ms):
+            if not dealer.poll(self.replay_timeout_ms):
                 return "timeout"
             frames = dealer.recv_multipart()
             if len(frames) != 4 or len(frames[2]) != 8:
-                self._metrics.events_invalid.labels(self.pod).inc()
+                self.metrics.events_invalid.labels(self.pod).inc()
                 continue
             seq = int.from_bytes(frames[2], "big", signed=True)
             if seq == -1:
                 return "ok"
-            if self.last_seq is None or seq > self.last_seq:
+            if seq < 0:
+                self.metrics.events_invalid.labels(self.pod).inc()
+                continue
+            if self._first_replayed is None:
+                self._first_replayed = (seq, hash(frames[3]))
+            if (self.last_seq is None or seq > self.last_seq) and (stop is None or seq < stop):
                 self._accept(seq, frames[3])
         return "stopped"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import zmq
 
 from epdserve.connectors.kv_events.config import KVEventsConfig, pod_ip_from_env
 from epdserve.connectors.kv_events.curve import CurveServer, CurveServerKeys
+from epdserve.connectors.kv_events.digest import StreamDigest, encode_answer
 from epdserve.connectors.kv_events.replay import END_SEQ, ReplayBuffer, ReplayServer
 from epdserve.connectors.kv_events.schema import EventBatch, EventEncoder, KVEvent, to_wire_event
 from epdserve.connectors.kv_events.sockets import MAX_REQUEST_BYTES, attach, pin_io_thread
@@ -51,6 +53,7 @@ class PublisherStats:
     replay_answers_capped: int = 0  # answers cut at replay_max_batches
     replay_batches_sent: int = 0
     replay_stalled: int = 0  # answers dropped: the peer read nothing for a while
+    digest_requests: int = 0  # routers reconciling their index (see .digest)
     send_errors: int = 0
     batches_invalid: int = 0  # events that are not KV cache events
     auth_denied: int = 0  # Curve handshakes refused (unlisted client key)
@@ -114,6 +117,11 @@ class ZmqEventPublisher(EventPublisher):
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_size)
         self._buffer = ReplayBuffer(buffer_steps)
         self._encoder = EventEncoder()
+        # this process's identity (routers tell a restart by it) and the running digest of
+        # every batch sent, answered on the replay socket
+        self.instance = secrets.randbits(64)
+        self._digest, self._next_seq = StreamDigest(), 0
+        self._digest_lock = threading.Lock()
         # our own context by default: two I/O threads (live and replay traffic apart) and a
         # ZAP handler that serves only these sockets
         self._owns_context = context is None
@@ -138,6 +146,7 @@ class ZmqEventPublisher(EventPublisher):
                     replay_max_in_flight,
                     pod_ip,
                     self._curve,
+                    self.digest_answer,
                 )
             self._thread = threading.Thread(
                 target=self._run, name="kv-event-publisher", daemon=True
@@ -173,6 +182,11 @@ class ZmqEventPublisher(EventPublisher):
             pod_ip=pod_ip,
             curve_keys=curve_keys,
         )
+
+    def digest_answer(self) -> bytes:
+        """The encoded digest of every batch sent so far (any thread)."""
+        with self._digest_lock:
+            return encode_answer(self._digest.answer(self.instance, self._next_seq))
 
     @property
     def replay_address(self) -> str | None:
@@ -242,9 +256,12 @@ class ZmqEventPublisher(EventPublisher):
                 if item is _STOP:
                     break
                 payload = self._encode(item)
-                if payload is not None:
+                if payload is None:
+                    continue
+                with self._digest_lock:  # an answer covers exactly the batches sent
                     self._send(pub, seq, payload)
-                    seq += 1
+                    self._digest.apply(item.events)
+                    seq = self._next_seq = seq + 1
         finally:
             pub.close()
 

@@ -5,20 +5,24 @@ Wire (vLLM 0.32): a DEALER sends ``[b"", start_seq]``; each buffered batch with
 ``[b"", b"", seq -1, b""]``. Bounds of ours: an answer holds at most ``max_batches``
 batches (a client asks again from the next seq), a peer has one replay in flight, at most
 ``max_in_flight`` peers are served at once, and answers go out in small slices, peer by
-peer, so a flood of replays never holds up the publisher thread's live batches.
+peer, so a flood of replays never holds up the publisher thread's live batches. A start seq
+of ``DIGEST_REQUEST`` asks for the stream's digest instead (see :mod:`.digest`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
 from epdserve.connectors.kv_events.curve import CurveServer
+from epdserve.connectors.kv_events.digest import DIGEST_REQUEST
 from epdserve.connectors.kv_events.sockets import MAX_REQUEST_BYTES, attach, pin_io_thread
 
 log = logging.getLogger(__name__)
@@ -81,10 +85,12 @@ class ReplayServer:
         max_in_flight: int = 64,
         pod_ip: str | None = None,
         curve: CurveServer | None = None,
+        digest: Callable[[], bytes] | None = None,
     ) -> None:
         self._endpoint, self._buffer, self._topic = endpoint, buffer, topic
         self._stats, self._context, self._curve = stats, context, curve
         self._max_batches, self._max_in_flight, self._pod_ip = max_batches, max_in_flight, pod_ip
+        self._digest = digest
         self._active: OrderedDict[bytes, _Replay] = OrderedDict()
         self._stop = threading.Event()
         self._ready, self._error = threading.Event(), None
@@ -151,6 +157,9 @@ class ReplayServer:
                 self._stats.replay_requests_invalid += 1
                 continue
             identity = frames[0]
+            if frames[2] == DIGEST_REQUEST and self._digest is not None:
+                self._answer_digest(sock, identity)
+                continue
             if identity in self._active:
                 self._stats.replay_requests_busy += 1  # one in flight per peer
                 continue
@@ -163,6 +172,12 @@ class ReplayServer:
             if stop < nxt:
                 self._stats.replay_answers_capped += 1
             self._active[identity] = _Replay(begin, max(stop, begin), time.monotonic())
+
+    def _answer_digest(self, sock: zmq.Socket, identity: bytes) -> None:
+        self._stats.digest_requests += 1
+        frames = (identity, b"", b"", DIGEST_REQUEST, self._digest())
+        with contextlib.suppress(zmq.ZMQError):  # gone or full: it asks again later
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
 
     # --- answers ------------------------------------------------------------------------
 

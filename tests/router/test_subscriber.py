@@ -169,7 +169,7 @@ def test_a_seq_gap_triggers_a_replay_from_the_first_missing_seq(wire, running):
     assert 2 in wire.replay_starts and sub.missed == 0
 
 
-def test_what_replay_cannot_return_is_counted_as_missed(wire, running):
+def test_what_replay_cannot_return_is_counted_as_missed_and_drops_the_pods_entries(wire, running):
     index, metrics = PrefixIndex(), RouterMetrics()
     wire.send(0, block_batch(0), live=False)
     sub = start_connected(running, wire, index, metrics)
@@ -184,7 +184,10 @@ def test_what_replay_cannot_return_is_counted_as_missed(wire, running):
         )
         == 2
     )
-    assert matched(index) == 2  # block 4's parent (block 3) is unknown
+    # a lost batch may have removed blocks: the pod's entries go, batch 4 on rebuilds them
+    assert matched(index) == 0 and index.pod_block_count("p") == 0
+    resyncs = {"pod": "p", "reason": "missed"}
+    assert metrics.registry.get_sample_value("epdserve_router:index_resyncs_total", resyncs) == 1
 
 
 def test_garbage_messages_are_counted_and_skipped(wire, running):
