@@ -178,6 +178,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         label: str | None = None,
         lora_request=None,  # epdserve.engine.lora.LoRARequest: its adapter
+        priority: int = 0,  # lower is served earlier (--scheduling-policy priority)
     ) -> AsyncIterator[StreamOutput]:
         """Stream a request's outputs; cancelling the iteration aborts the request.
         ``request_id`` must be the server's own (unique); ``label`` is the client's
@@ -207,6 +208,7 @@ class AsyncLLM:
                 cache_salt,
                 label,
                 lora_request,
+                priority,
             )
             frame = self._encode.encode(req)
             await self.input.send_multipart([self.core_identity, ADD, frame])

@@ -22,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: float32
 CPU_BLOCK_SIZE = 128  # fewer blocks per step to map, hash and walk: 1.26-1.35x served on cpu
 ROLES = ("both", "encoder", "prefill", "decode")
 BACKENDS = ("triton", "native", "torch")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 ROLE_NEEDS = {"prefill": ("is_producer", "kv_producer"), "decode": ("is_consumer", "kv_consumer")}
 
 
@@ -43,6 +44,13 @@ class EngineConfig:
     )
     max_num_seqs: int = setting(256, "most sequences running at once")
     max_num_batched_tokens: int = setting(2048, "most tokens one step computes")
+    scheduling_policy: str = setting(
+        "fcfs",
+        "fcfs: waiting requests start in arrival order; priority: by the request's "
+        "priority field (lower first, ties by arrival), and when blocks run out the running "
+        "request with the largest priority value is preempted",
+        choices=SCHEDULING_POLICIES,
+    )
     stream_interval: int = setting(
         1,
         "a stream's tokens go out in chunks of this many (its first token and its end at "
@@ -119,6 +127,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy: must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         if self.kv_events_config is not None and self.kv_events_config.active:

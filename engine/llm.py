@@ -49,9 +49,12 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request=None,
+        priority: int | list[int] | None = None,
     ) -> list[RequestOutput]:
         """``lora_request``: a ``LoRARequest`` (or a ``--lora-modules`` name) for every
-        prompt, or a list of them (None entries: the base model)."""
+        prompt, or a list of them (None entries: the base model). ``priority``: one for
+        every prompt or a list (lower first; other than 0 only with
+        ``scheduling_policy="priority"``)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -62,8 +65,9 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError("lora_request: the list must have one entry per prompt")
         loras = [self._lora(x) for x in loras]
+        priorities = self._priorities(priority, len(prompts))
         states = [
-            self._add(p, sp, lr) for p, sp, lr in zip(prompts, params_list, loras, strict=True)
+            self._add(*args) for args in zip(prompts, params_list, loras, priorities, strict=True)
         ]
         by_child = {cid: state for state, _ in states for cid in state.seqs}
         while self.engine.has_unfinished_requests():
@@ -86,6 +90,18 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self._chat_prompt(c, mm_processor_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def _priorities(self, priority, n: int) -> list[int]:
+        """One checked priority per prompt (``ValueError`` naming the field)."""
+        values = priority if isinstance(priority, list) else [priority or 0] * n
+        if len(values) != n:
+            raise ValueError("priority: the list must have one entry per prompt")
+        for p in values:
+            if isinstance(p, bool) or not isinstance(p, int) or not -(1 << 63) <= p < 1 << 63:
+                raise ValueError(f"priority: must be a 64-bit signed integer, got {p!r}")
+            if p and self.config.scheduling_policy != "priority":
+                raise ValueError(f"priority: {p} needs scheduling_policy='priority' (this is fcfs)")
+        return values
 
     def _lora(self, lora: LoRARequest | str | None) -> LoRARequest | None:
         """An adapter checked against the model once (``ValueError`` naming the problem)."""
@@ -146,7 +162,7 @@ class LLM:
         return self.inputs.completion(prompt["prompt"])
 
     def _add(
-        self, prompt, params: SamplingParams, lora: LoRARequest | None = None
+        self, prompt, params: SamplingParams, lora: LoRARequest | None = None, priority: int = 0
     ) -> tuple[RequestState, ProcessedPrompt]:
         if params.structured_outputs is not None:  # a bad spec: this call's ValueError
             validate_structured(params.structured_outputs)
@@ -169,6 +185,7 @@ class LLM:
                     mm_features=features,
                     cache_salt=cache_salt,
                     lora_request=lora,
+                    priority=priority,
                 )
             )
         return state, processed

@@ -51,6 +51,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None  # tenant isolation: folded into the first block's hash
     label: str | None = None  # the client's X-Request-Id: logs and test fault injection only
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    priority: int = 0  # lower is served earlier under --scheduling-policy priority
 
 
 class EngineCore:
@@ -107,6 +108,7 @@ class EngineCore:
             coordinator,
             encoder,
             self.lora,
+            config.scheduling_policy,
         )
         self.runner = ModelRunner(
             self.model,
@@ -192,6 +194,7 @@ class EngineCore:
             self._mm_features(req),
             req.cache_salt,
             req.lora_request,
+            req.priority,
         )
         request.label = req.label
         self.scheduler.add_request(request)

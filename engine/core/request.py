@@ -42,6 +42,7 @@ class Request:
         mm_features: list | None = None,
         cache_salt: str | None = None,
         lora: LoRARequest | None = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -57,6 +58,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.priority = priority  # lower is served earlier (scheduling_policy "priority")
         self.max_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
         self.block_hashes: list[BlockHash] = []
         self.mm_features = list(mm_features or [])

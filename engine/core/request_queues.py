@@ -1,21 +1,22 @@
 """Where every live request of the scheduler is, and the moves between those places.
 
-A request is waiting (``waiting``, in order), running (``running``), or loading its prefix
-(``WAITING_FOR_REMOTE_KVS``, held by the KV-transfer coordinator). ``RequestQueues`` owns
-these places and every move that is not admission: adding, finishing, preempting, and
-undoing a step that was scheduled but never computed (what the step guard asks for).
+A request is waiting (``waiting``, in its policy's order: ``waiting_queue.py``), running
+(``running``), or loading its prefix (``WAITING_FOR_REMOTE_KVS``, held by the KV-transfer
+coordinator). ``RequestQueues`` owns these places and every move that is not admission:
+adding, finishing, preempting, and undoing a step that was scheduled but never computed
+(what the step guard asks for).
 ``Scheduler`` (``scheduler.py``) builds on it with the per-step policy.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
 from epdserve.engine.core.interfaces import EngineCoreOutput, SchedulerOutput
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
+from epdserve.engine.core.waiting_queue import make_waiting_queue
 
 if TYPE_CHECKING:
     from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
@@ -38,8 +39,10 @@ class RequestQueues:
         kv_transfer: KVTransferCoordinator | None = None,
         encoder: EncoderScheduler | None = None,
         lora: LoRAManager | None = None,
+        policy: str = "fcfs",
     ):
         self.kv = kv_cache_manager
+        self.policy = policy  # fcfs or priority: the waiting order and the preemption victim
         self.lora = lora  # adapters' device slots, when LoRA is on
         # waiting requests that cannot start: their adapter failed to load, their grammar to
         # compile (the core answers each with a 400)
@@ -47,7 +50,7 @@ class RequestQueues:
         self.kv_transfer = kv_transfer  # a KV connector's scheduler side, if any
         self.encoder = encoder  # multimodal models: encoder inputs and their cache
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(policy)  # engine/core/waiting_queue.py
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.untold_encoder_frees: list[str] = []  # of a rolled-back step, told with the next
@@ -63,6 +66,8 @@ class RequestQueues:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:  # refused: the live one keeps its state
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        if request.priority and self.policy != "priority":
+            raise ValueError("priority: only 0 is accepted unless --scheduling-policy priority")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -78,6 +83,11 @@ class RequestQueues:
         except ValueError as exc:
             self.admission_failures.append((request.request_id, exc))
             return False
+
+    def _unpin(self, head: Request) -> bool:
+        """Deadlock guard: nothing runs, so free blocks parked by finished loads."""
+        transfer = self.kv_transfer
+        return transfer is not None and not self.running and transfer.unpin(self.waiting, head)
 
     def grammar_ready(self, request: Request) -> bool:
         """Whether a waiting request's grammar is compiled; one that failed to compile (or

@@ -4,6 +4,12 @@ Each step, every scheduled request's ``num_computed_tokens`` catches up with its
 by up to its share of the budget; long prompts are chunked; when blocks run out the
 lowest-priority running request is preempted (recomputed later). Where requests are and
 how they move outside admission (finish, preempt, roll back) is ``request_queues.py``.
+
+Policies (``waiting_queue.py``): ``fcfs`` starts waiting requests by arrival and preempts
+the last running one; ``priority`` starts them by ``(priority, arrival_time)`` and preempts
+the running one with the largest key (unscheduled first if this step had scheduled it). As
+in vLLM v1 a waiting request never preempts running ones: a high-priority arrival with no
+free slot or blocks waits at the head of the queue, ahead of every lower-priority request.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.request_queues import RequestQueues
 from epdserve.engine.core.sched_utils import check_stop, make_output
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
+from epdserve.engine.core.waiting_queue import victim_index
 from epdserve.engine.kv_transfer.coordinator import LoadStart
 
 if TYPE_CHECKING:
@@ -43,8 +50,9 @@ class Scheduler(RequestQueues):
         kv_transfer: KVTransferCoordinator | None = None,
         encoder: EncoderScheduler | None = None,
         lora: LoRAManager | None = None,
+        policy: str = "fcfs",
     ):
-        super().__init__(kv_cache_manager, kv_transfer, encoder, lora)
+        super().__init__(kv_cache_manager, kv_transfer, encoder, lora, policy)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -70,7 +78,7 @@ class Scheduler(RequestQueues):
         solo = self.requests.get(self.solo_id) if self.solo_id else None
         if solo is not None and solo.status != RequestStatus.RUNNING and solo in self.waiting:
             self.waiting.remove(solo)  # a solo run admits only this request
-            self.waiting.appendleft(solo)
+            self.waiting.put_first([solo])
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if solo is not None and request is not solo:
@@ -91,11 +99,19 @@ class Scheduler(RequestQueues):
                 continue
             blocks = self.kv.allocate_slots(request, n)
             while blocks is None:
-                victim = self.running.pop()
-                self._requeue_preempted(victim)
-                if victim.request_id in num_scheduled:  # already scheduled this step: undo
-                    del num_scheduled[victim.request_id]
+                v = victim_index(self.running, self.policy)
+                victim = self.running[v]
+                done = victim.request_id in num_scheduled
+                if done and self.encoder is not None and victim.request_id in self.encoder.inputs:
+                    break  # its images are encoded this step: it keeps its blocks for now
+                if done:  # priority only: scheduled earlier this step, undone
+                    self.kv.forget_uncomputed(victim, victim.num_computed_tokens)
+                    budget += num_scheduled.pop(victim.request_id)
                     cached_reqs.remove(victim)
+                del self.running[v]
+                if v < i:  # priority only: the victim ran ahead of ``request``
+                    i -= 1
+                self._requeue_preempted(victim)
                 preempted = True
                 if victim is request:
                     break
@@ -130,7 +146,7 @@ class Scheduler(RequestQueues):
             while admitted is LoadStart.NO_ROOM and solo is not None and self.running:
                 self.preempt(self.running[-1])  # paused requests make room for the solo run
                 self.waiting.remove(solo)
-                self.waiting.appendleft(solo)
+                self.waiting.put_first([solo])
                 admitted = self._admit(request, budget)
             if admitted is LoadStart.NO_ROOM:
                 break
@@ -187,11 +203,6 @@ class Scheduler(RequestQueues):
             return LoadStart.NO_ROOM
         return num_hit_tokens, n
 
-    def _unpin(self, head: Request) -> bool:
-        """Deadlock guard: nothing runs, so free blocks parked by finished loads."""
-        transfer = self.kv_transfer
-        return transfer is not None and not self.running and transfer.unpin(self.waiting, head)
-
     def _build_output(self, new_reqs, cached_reqs, new_block_ids, num_scheduled) -> SchedulerOutput:
         new_data = [
             NewRequestData(
@@ -245,7 +256,7 @@ class Scheduler(RequestQueues):
         outputs = []
         if self.kv_transfer is not None:
             ready, released = self.kv_transfer.update(result.kv_connector_output)
-            self.waiting.extendleft(reversed(ready))
+            self.waiting.put_first(ready)
             outputs.extend(released)
         self.update_failures = []
         faults = injected_fault("update") is not None  # tests only: one env read per step

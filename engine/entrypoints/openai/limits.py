@@ -43,7 +43,6 @@ TOLERATED: dict[str, tuple] = {
     "modalities": (["text"],),
     "use_beam_search": (False,),
     "length_penalty": (1.0, 1),
-    "priority": (0,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
     "metadata": None,  # any value: informational only
@@ -63,6 +62,18 @@ def check_unknown_fields(extra: dict[str, Any] | None) -> None:
             continue
         if value not in allowed:
             raise APIError(400, f"{name}: not supported by this server (got {value!r})", name)
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """A ``priority`` other than 0 is honoured only under ``--scheduling-policy priority``;
+    elsewhere it is refused rather than silently ignored."""
+    if priority != 0 and policy != "priority":
+        raise APIError(
+            400,
+            f"priority: {priority} needs a server started with --scheduling-policy priority "
+            "(this one serves in arrival order: fcfs)",
+            "priority",
+        )
 
 
 def check_finite(req, names: tuple[str, ...]) -> None:

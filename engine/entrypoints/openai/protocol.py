@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from epdserve.engine.entrypoints.openai.limits import find_surrogate
+from epdserve.engine.entrypoints.openai.limits import INT64_MAX, INT64_MIN, find_surrogate
 from epdserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -53,6 +53,8 @@ class _Common(_ValidText):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
+    # lower is served earlier under --scheduling-policy priority (vLLM's field and bounds)
+    priority: StrictInt = Field(0, ge=INT64_MIN, le=INT64_MAX)
     # the prompt as a previous pod of the pool processed it (engine/inputs/prompt.py): this
     # pod then neither renders, tokenizes nor loads images
     processed_prompt: dict[str, Any] | None = None

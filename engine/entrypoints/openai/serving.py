@@ -15,6 +15,7 @@ from epdserve.engine.entrypoints.openai.errors import APIError, from_value_error
 from epdserve.engine.entrypoints.openai.limits import (
     RequestLimits,
     check_count,
+    check_priority,
     check_sampling_fields,
 )
 from epdserve.engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,6 +45,7 @@ class Prepared:
         self.prompts, self.params, self.kind = prompts, params, kind
         self.kv_transfer_params: dict | None = None
         self.cache_salt: str | None = None  # tenant isolation (vLLM's cache_salt)
+        self.priority = 0  # lower is served earlier (--scheduling-policy priority)
         self.echo_text = ""  # chat: the assistant's last message, when it is continued
         self.request_id = new_request_id(kind)
         self.label: str | None = None  # the client's X-Request-Id: logs and the echo only
@@ -109,6 +111,7 @@ class OpenAIServing:
         if req.suffix is not None:
             raise APIError(400, "suffix: not supported", "suffix")
         check_sampling_fields(req, self.limits, self.tok.vocab_size)
+        check_priority(req.priority, self.engine.config.scheduling_policy)
         check_count(req.logprobs, self.limits.max_logprobs, "logprobs")
         constraint = await self._structured_outputs(req)
         try:
@@ -136,6 +139,7 @@ class OpenAIServing:
     async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
         check_sampling_fields(req, self.limits, self.tok.vocab_size)
+        check_priority(req.priority, self.engine.config.scheduling_policy)
         check_count(req.top_logprobs, self.limits.max_logprobs, "top_logprobs")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
@@ -223,6 +227,7 @@ class OpenAIServing:
         prep.model_name = req.model if prep.lora_request is not None else self.model_name
         prep.kv_transfer_params = transfer
         prep.cache_salt = req.cache_salt
+        prep.priority = req.priority
         prep.return_prompt = self.role == "encoder" or bool(
             transfer and transfer.get("do_remote_decode")
         )
@@ -240,6 +245,7 @@ class OpenAIServing:
                 prep.cache_salt,
                 prep.label,
                 lora_request=prep.lora_request,
+                priority=prep.priority,
             ):
                 yield 0, out
             self._count_adapter(prep)
@@ -256,6 +262,7 @@ class OpenAIServing:
                     cache_salt=prep.cache_salt,
                     label=prep.label,
                     lora_request=prep.lora_request,
+                    priority=prep.priority,
                 ):
                     await queue.put((i, out))
             except Exception as exc:  # surfaced to the consumer below
