@@ -25,7 +25,9 @@ ROUTER_DEFAULTS = {
     "limit_concurrency": 4096, "timeout_keep_alive": 5.0, "header_read_timeout": 10.0,
     "body_read_timeout": 60.0, "max_upstream_connections": 4096, "max_pod_connections": 1024,
     "lora_modules": [], "dynamic_lora": False, "lora_spread_load": 4.0,
-    "lora_models_interval": 5.0, "api_key": None, "log_level": "info", "log_format": "text", "access_log": False,
+    "lora_models_interval": 5.0, "tenant_keys": None, "tenant_header": None,
+    "max_inflight_per_pod": 0, "tenant_queue_size": 256, "tenant_queue_timeout": 30.0,
+    "tenant_priority": False, "api_key": None, "log_level": "info", "log_format": "text", "access_log": False,
 }  # fmt: skip
 POD = ["--endpoint", "http://127.0.0.1:1"]
 
