@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 
@@ -30,6 +31,7 @@ from epdserve.connectors.kv_events.digest import (
     encode_answer,
 )
 from epdserve.router.index import STORE, PrefixIndex
+from epdserve.router.keys import request_keys
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.subscriber import PodSubscriber
 
@@ -40,12 +42,8 @@ END = (-1).to_bytes(8, "big", signed=True)
 
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    ports = [s.bind(("127.0.0.1", 0)) or s.getsockname()[1] for s in socks]
+    return [s.close() or p for s, p in zip(socks, ports, strict=True)]
 
 
 def root_block(h: int, medium: str = "GPU") -> BlockStored:
@@ -147,8 +145,6 @@ def test_a_restarted_pod_with_more_batches_than_before_keeps_only_its_new_blocks
         >= 1
     )
     wanted = {h: [root_block(h)] for h in (11, 21, 24)}
-    from epdserve.router.keys import request_keys
-
     hits = {h: index.match(request_keys(b[0].token_ids, BS), ["p"])["p"] for h, b in wanted.items()}
     assert hits == {11: 0, 21: 1, 24: 1}
 
@@ -280,8 +276,6 @@ def test_the_digest_is_a_multiset_per_tier_and_a_clear_empties_only_the_local_ti
 def test_digest_answers_are_validated():
     answer = DigestAnswer(2**64 - 1, 3, 1, 2**64 - 1, 0, 0)
     assert decode_answer(encode_answer(answer)) == answer
-    import msgspec
-
     for bad in (
         b"\xc1",
         msgspec.msgpack.encode([1, 2, 3]),
