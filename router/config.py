@@ -62,6 +62,12 @@ class RouterConfig:
     balance_threshold: float = setting(
         4.0, "prefix+load: pods this many requests busier than the least busy go last"
     )
+    store_cost: float = setting(
+        0.1, "prefix+cost: a token loaded from the pool's shared store, in computed tokens (0..1)"
+    )
+    decode_cost: float = setting(
+        2.0, "prefix+cost: a request the pod is decoding, in prompt tokens of prefill"
+    )
     speculative_ttl: float = setting(
         2.0, "s a routed prompt counts as cached on its pod before its events arrive (0: off)"
     )
@@ -138,6 +144,11 @@ class RouterConfig:
         "generation requests the router sends each pod at once; past it they wait in "
         "per-tenant queues served by weight (0: no queue)",
     )
+    tenant_reserve_per_pod: int = setting(
+        0,
+        "more requests per pod past --max-inflight-per-pod, only for tenants holding less "
+        "than their weighted share (they start at once; leave that room in the pods' batch)",
+    )
     tenant_queue_size: int = setting(256, "requests one tenant may have waiting (then 429)")
     tenant_queue_timeout: float = setting(30.0, "s a request may wait for a slot (then 503)")
     tenant_priority: bool = setting(
@@ -185,8 +196,9 @@ class RouterConfig:
             if getattr(self, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
         parse_modules(self.lora_modules)
-        if self.max_inflight_per_pod < 0:
-            raise ValueError("--max-inflight-per-pod must be >= 0")
+        for flag in ("max_inflight_per_pod", "tenant_reserve_per_pod"):
+            if getattr(self, flag) < 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
         if self.tenant_queue_size < 1 or self.tenant_queue_timeout <= 0:
             raise ValueError("--tenant-queue-size must be >= 1, --tenant-queue-timeout > 0")
         self.tenancy()  # a bad tenant file or header name fails here
@@ -217,6 +229,7 @@ class RouterConfig:
         )
         gate = GateSettings(
             self.max_inflight_per_pod,
+            self.tenant_reserve_per_pod,
             self.tenant_queue_size,
             self.tenant_queue_timeout,
             self.tenant_priority,
@@ -225,6 +238,8 @@ class RouterConfig:
 
     def strategy_weights(self) -> dict[str, float]:
         """The keyword arguments of ``make_strategy(self.strategy)``."""
+        if self.strategy == "prefix+cost":
+            return {"store_cost": self.store_cost, "decode_cost": self.decode_cost}
         if self.strategy != "prefix+load":
             return {}
         return {

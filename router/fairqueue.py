@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -74,13 +75,17 @@ class TenantQueueMetrics:
 @dataclass(eq=False)
 class _Waiter:
     tenant: str
+    start: float  # virtual start tag
     future: asyncio.Future = field(repr=False)
 
 
 class FairQueue:
     """Slots handed out by weighted fairness; ``acquire`` waits for one, ``release`` frees it.
 
-    Single event loop, no locks: every method runs on the loop that serves requests."""
+    ``reserve()`` extra slots go only to a tenant holding less than its weighted share of
+    ``capacity()`` (shares among the tenants holding or waiting for slots): a light tenant
+    then starts at once instead of waiting for a heavy tenant's request to finish, which the
+    pods absorb if their batch has that much room. Single event loop, no locks."""
 
     def __init__(
         self,
@@ -88,8 +93,9 @@ class FairQueue:
         max_waiting: int = 256,
         timeout: float = 30.0,
         on_depth: Callable[[str, int], None] | None = None,
+        reserve: Callable[[], int] = lambda: 0,
     ) -> None:
-        self.capacity = capacity  # slots allowed now (read at every dispatch)
+        self.capacity, self.reserve = capacity, reserve  # slots allowed now (read each time)
         self.max_waiting, self.timeout = max_waiting, timeout
         self.on_depth = on_depth or (lambda tenant, delta: None)  # a tenant's queue +1/-1
         self.active = 0  # slots held
@@ -97,7 +103,10 @@ class FairQueue:
         self._vtime = 0.0
         self._finish: dict[str, float] = {}
         self._depth: dict[str, int] = {}
+        self._held: dict[str, int] = {}  # slots held per tenant
+        self._weight: dict[str, float] = {}  # tenants holding or waiting: their weight
         self._heap: list[tuple[float, int, _Waiter]] = []
+        self._queues: dict[str, deque[_Waiter]] = {}  # the same waiters, per tenant
         self._order = itertools.count()
         self._dead = 0  # abandoned waiters still in the heap
 
@@ -107,13 +116,21 @@ class FairQueue:
             return sum(self._depth.values())
         return self._depth.get(tenant, 0)
 
+    def held(self, tenant: str) -> int:
+        """Slots ``tenant`` holds."""
+        return self._held.get(tenant, 0)
+
     async def acquire(self, tenant: str, weight: float = 1.0) -> int:
         """Wait for a slot; returns its admission ordinal. Raises QueueFull, QueueTimeout;
         a cancelled caller leaves the queue (and gives back a slot it was just handed)."""
         if self._depth.get(tenant, 0) >= self.max_waiting:
             raise QueueFull(f"tenant {tenant!r} has {self.max_waiting} requests waiting")
-        waiter = _Waiter(tenant, asyncio.get_running_loop().create_future())
-        heapq.heappush(self._heap, (self._tag(tenant, weight), next(self._order), waiter))
+        self._weight[tenant] = weight
+        waiter = _Waiter(
+            tenant, self._tag(tenant, weight), asyncio.get_running_loop().create_future()
+        )
+        heapq.heappush(self._heap, (waiter.start, next(self._order), waiter))
+        self._queues.setdefault(tenant, deque()).append(waiter)
         self._add_depth(tenant, +1)
         self._pump()
         loop = asyncio.get_running_loop()
@@ -130,10 +147,12 @@ class FairQueue:
             self._abandon(waiter)
             raise
 
-    def release(self) -> None:
-        """A request holding a slot finished: hand the slot to the next waiter."""
-        assert self.active > 0, "release without a matching acquire"
+    def release(self, tenant: str) -> None:
+        """A request of ``tenant`` holding a slot finished: hand the slot on."""
+        assert self.active > 0 and self._held.get(tenant, 0) > 0, f"no slot of {tenant!r}"
         self.active -= 1
+        self._held[tenant] -= 1
+        self._forget(tenant)
         self._pump()
 
     def _tag(self, tenant: str, weight: float) -> float:
@@ -145,31 +164,62 @@ class FairQueue:
         self._finish[tenant] = start + 1.0 / weight
         return start
 
+    def _under_share(self, tenant: str, capacity: int) -> bool:
+        share = capacity * self._weight[tenant] / sum(self._weight.values())
+        return self._held.get(tenant, 0) < share
+
     def _pump(self) -> None:
-        """Hand free slots to the waiters with the smallest start tags."""
+        """Hand free slots to the waiters with the smallest start tags; reserve slots to the
+        earliest waiter of a tenant under its share."""
         capacity = self.capacity()
         while self._heap and self.active < capacity:
             start, _, waiter = heapq.heappop(self._heap)
-            if waiter.future.done():  # abandoned
+            if waiter.future.done():  # abandoned, or admitted from the reserve
                 self._dead -= 1
                 continue
-            self._vtime = max(self._vtime, start)
-            self._add_depth(waiter.tenant, -1)
-            self.active += 1
-            self.admissions += 1
-            waiter.future.set_result(self.admissions)
+            self._admit(waiter)
+        ceiling = capacity + self.reserve()
+        while self._depth and self.active < ceiling:
+            heads = [self._head(t) for t in self._depth if self._under_share(t, capacity)]
+            if not heads:
+                return
+            self._admit(min(heads, key=lambda w: w.start))
+            self._dead += 1  # its heap entry stays until popped
+
+    def _head(self, tenant: str) -> _Waiter:
+        queue = self._queues[tenant]
+        while queue[0].future.done():
+            queue.popleft()
+        return queue[0]
+
+    def _admit(self, waiter: _Waiter) -> None:
+        self._vtime = max(self._vtime, waiter.start)
+        self._add_depth(waiter.tenant, -1)
+        self.active += 1
+        self._held[waiter.tenant] = self._held.get(waiter.tenant, 0) + 1
+        self.admissions += 1
+        waiter.future.set_result(self.admissions)
 
     def _abandon(self, waiter: _Waiter) -> None:
         if waiter.future.done() and not waiter.future.cancelled():
-            self.release()  # handed a slot as it gave up: pass it on
+            self.release(waiter.tenant)  # handed a slot as it gave up: pass it on
             return
         waiter.future.cancel()
         self._add_depth(waiter.tenant, -1)
+        self._forget(waiter.tenant)
         self._dead += 1
         if self._dead > 64 and self._dead * 2 > len(self._heap):
             self._heap = [e for e in self._heap if not e[2].future.done()]
             heapq.heapify(self._heap)
             self._dead = 0
+            for tenant, queue in self._queues.items():
+                self._queues[tenant] = deque(w for w in queue if not w.future.done())
+
+    def _forget(self, tenant: str) -> None:
+        """Drop a tenant that neither holds nor waits from the share computation."""
+        if not self._held.get(tenant) and not self._depth.get(tenant):
+            self._held.pop(tenant, None)
+            self._weight.pop(tenant, None)
 
     def _add_depth(self, tenant: str, delta: int) -> None:
         depth = self._depth.get(tenant, 0) + delta
@@ -177,4 +227,5 @@ class FairQueue:
             self._depth[tenant] = depth
         else:
             self._depth.pop(tenant, None)
+            self._queues.pop(tenant, None)  # only done waiters are left in it
         self.on_depth(tenant, delta)

@@ -38,6 +38,7 @@ class GateSettings:
     a tenant's configured priority overrides the request's ``priority`` field."""
 
     max_inflight_per_pod: int = 0
+    reserve_per_pod: int = 0  # more slots, only for tenants under their share
     max_waiting: int = 256
     timeout: float = 30.0
     set_priority: bool = False
@@ -67,7 +68,10 @@ def add_gate(app, tenancy: Tenancy, registry, pods: Callable[[], int]) -> FairQu
         def depth(tenant: str, delta: int) -> None:
             metrics.queue_depth.labels(labels(tenant)).inc(delta)
 
-        queue = FairQueue(capacity, settings.max_waiting, settings.timeout, depth)
+        def reserve() -> int:
+            return settings.reserve_per_pod * max(1, pods())
+
+        queue = FairQueue(capacity, settings.max_waiting, settings.timeout, depth, reserve)
     app.add_middleware(
         TenantGate,
         queue=queue,
@@ -118,7 +122,7 @@ class TenantGate:
         try:
             await self.app(scope, _replay(first, watch, receive), _tagged(send, seq))
         finally:
-            self.queue.release()
+            self.queue.release(tenant.name)
             self.metrics.active.set(self.queue.active)
             if not watch.done():
                 watch.cancel()

@@ -37,15 +37,17 @@ async def backlog(queue: FairQueue, tenants: dict[str, tuple[float, int]]):
     return tasks
 
 
-async def drain(queue: FairQueue, tasks, n: int) -> list[str]:
-    """Free one slot at a time and record which tenant got each, ``n`` times."""
+async def drain(queue: FairQueue, tasks, n: int, holder: str) -> list[str]:
+    """Free one slot at a time (``holder``'s, then each admitted tenant's) and record which
+    tenant got each, ``n`` times."""
     order = []
     for _ in range(n):
-        queue.release()
+        queue.release(holder)
         await settle()
         done = [(t, task) for t, task in tasks if task.done()]
         assert len(done) == 1, "one release admits exactly one waiter"
-        order.append(done[0][0])
+        holder = done[0][0]
+        order.append(holder)
         tasks.remove(done[0])
     return order
 
@@ -55,7 +57,7 @@ def test_backlogged_tenants_share_slots_by_weight():
         queue = FairQueue(Slots(1))
         await queue.acquire("warm")  # holds the only slot
         tasks = await backlog(queue, {"heavy": (1.0, 30), "light": (3.0, 30)})
-        order = await drain(queue, tasks, 20)
+        order = await drain(queue, tasks, 20, "warm")
         for task in tasks:
             task[1].cancel()
         return order
@@ -72,7 +74,7 @@ def test_a_late_light_tenant_overtakes_a_long_heavy_backlog():
         await queue.acquire("heavy")
         tasks = await backlog(queue, {"heavy": (1.0, 40)})
         tasks += await backlog(queue, {"light": (1.0, 4)})
-        order = await drain(queue, tasks, 12)
+        order = await drain(queue, tasks, 12, "heavy")
         for task in tasks:
             task[1].cancel()
         return order
@@ -87,7 +89,7 @@ def test_the_heavy_tenant_gets_every_slot_the_light_one_leaves_free():
         queue = FairQueue(Slots(4))
         got = [await queue.acquire("heavy") for _ in range(4)]  # no wait: slots are free
         tasks = await backlog(queue, {"heavy": (1.0, 6), "light": (1.0, 1)})
-        order = await drain(queue, tasks, 7)
+        order = await drain(queue, tasks, 7, "heavy")
         return got, order, queue.depth()
 
     got, order, left = asyncio.run(run())
@@ -100,10 +102,10 @@ def test_an_idle_tenant_gets_no_credit_for_its_idle_time():
         queue = FairQueue(Slots(1))
         for _ in range(10):  # light alone: it uses every slot
             await queue.acquire("light")
-            queue.release()
+            queue.release("light")
         await queue.acquire("light")
         tasks = await backlog(queue, {"light": (1.0, 6), "heavy": (1.0, 6)})
-        order = await drain(queue, tasks, 8)
+        order = await drain(queue, tasks, 8, "light")
         for task in tasks:
             task[1].cancel()
         return order
@@ -151,7 +153,7 @@ def test_a_cancelled_waiter_leaves_the_queue_and_the_next_one_gets_its_slot():
         gone.cancel()
         await settle()
         depth = queue.depth()
-        queue.release()
+        queue.release("a")
         await settle()
         return depth, gone.cancelled(), stays.result(), queue.active, queue.depth()
 
@@ -165,7 +167,7 @@ def test_a_slot_handed_to_a_waiter_that_is_cancelled_passes_on():
         first = asyncio.ensure_future(queue.acquire("b"))
         second = asyncio.ensure_future(queue.acquire("c"))
         await settle()
-        queue.release()  # the slot goes to b's future...
+        queue.release("a")  # the slot goes to b's future...
         first.cancel()  # ...but b gives up before it runs again
         await settle()
         return second.done(), queue.active
@@ -201,3 +203,38 @@ def test_many_abandoned_waiters_do_not_pile_up_in_the_heap():
 
     heap, finish = asyncio.run(run())
     assert heap <= 100 and finish <= 4 * 100 + 64 + 1
+
+
+def test_reserve_slots_start_a_tenant_under_its_share_at_once_and_only_it():
+    async def run():
+        queue = FairQueue(Slots(4), reserve=lambda: 1)
+        for _ in range(4):
+            await queue.acquire("heavy")
+        more_heavy = asyncio.ensure_future(queue.acquire("heavy"))
+        await settle()
+        light = await asyncio.wait_for(queue.acquire("light"), 5)  # a reserve slot
+        second_light = asyncio.ensure_future(queue.acquire("light"))
+        await settle()
+        state = more_heavy.done(), second_light.done(), queue.active
+        queue.release("heavy")  # a normal slot frees: the light waiter's tag is older
+        await settle()
+        state += (second_light.done(), more_heavy.done())
+        more_heavy.cancel()
+        return light, state
+
+    light, state = asyncio.run(run())
+    assert light == 5
+    # heavy is over its share: no reserve slot for it; the reserve is full for light
+    assert state == (False, False, 5, True, False)
+
+
+def test_held_slots_and_shares_are_forgotten_when_a_tenant_is_done():
+    async def run():
+        queue = FairQueue(Slots(2))
+        await queue.acquire("a")
+        await queue.acquire("b")
+        queue.release("a")
+        queue.release("b")
+        return queue.active, queue._held, queue._weight
+
+    assert asyncio.run(run()) == (0, {}, {})

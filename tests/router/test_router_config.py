@@ -19,15 +19,17 @@ ROUTER_DEFAULTS = {
     "kubeconfig": None, "target_port": 8000, "kv_events_port": 5557, "kv_replay_port": 5558,
     "kv_events_curve_dir": None, "kv_events_max_message_bytes": 8 << 20,
     "index_capacity": 1_000_000, "prefix_weight": 2.0, "load_weight": 1.0, "kv_weight": 0.5,
-    "store_weight": 1.0, "balance_threshold": 4.0, "speculative_ttl": 2.0, "block_size": 16,
+    "store_weight": 1.0, "balance_threshold": 4.0, "store_cost": 0.1, "decode_cost": 2.0,
+    "speculative_ttl": 2.0, "block_size": 16,
     "scrape_interval": 1.0, "connect_timeout": 2.0, "upstream_timeout": 600.0,
     "max_attempts": 3, "failure_backoff": 2.0, "max_body_bytes": 32 << 20,
     "limit_concurrency": 4096, "timeout_keep_alive": 5.0, "header_read_timeout": 10.0,
     "body_read_timeout": 60.0, "max_upstream_connections": 4096, "max_pod_connections": 1024,
     "lora_modules": [], "dynamic_lora": False, "lora_spread_load": 4.0,
     "lora_models_interval": 5.0, "tenant_keys": None, "tenant_header": None,
-    "max_inflight_per_pod": 0, "tenant_queue_size": 256, "tenant_queue_timeout": 30.0,
-    "tenant_priority": False, "api_key": None, "log_level": "info", "log_format": "text", "access_log": False,
+    "max_inflight_per_pod": 0, "tenant_reserve_per_pod": 0, "tenant_queue_size": 256,
+    "tenant_queue_timeout": 30.0, "tenant_priority": False, "api_key": None,
+    "log_level": "info", "log_format": "text", "access_log": False,
 }  # fmt: skip
 POD = ["--endpoint", "http://127.0.0.1:1"]
 
