@@ -9,6 +9,7 @@ import httpx
 
 from epdserve.common import metrics_text
 from epdserve.router.lora_route import observe
+from epdserve.router.reconcile import restarted, resubscribe
 from epdserve.router.service import Router
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ async def _scrape(client: httpx.AsyncClient, router: Router, name: str, timeout:
         load = {}
     for field, value in load.items():
         setattr(state, field, value)
+    if restarted(state, response.text) and state.healthy:  # back before a scrape failed
+        await asyncio.to_thread(resubscribe, router, name)
     await _set_health(router, state, True)
     await observe(client, router, state, response.text, timeout)  # its LoRA adapters
 

@@ -10,6 +10,11 @@ Every ``interval`` seconds a :class:`PodSubscriber` asks its pod, on the replay 
   another payload means a new process (resync ``restart``).
 Cost per pod and check: one DEALER connect and one round trip (~40 bytes for a digest; the
 batches since the last applied one for a probe), on the subscriber's own thread.
+
+The health scrape adds one more sign for any pod whose page has it (vLLM's does):
+``process_start_time_seconds`` changed between two scrapes that both succeeded means a
+restart faster than the scrape interval; the pod is then resubscribed (entries dropped,
+replay from seq 0).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import zmq
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
+from epdserve.common import metrics_text
 from epdserve.connectors.kv_events.digest import (
     DIGEST_REQUEST,
     DigestAnswer,
@@ -34,11 +40,13 @@ from epdserve.router.index import TIERS, PrefixIndex
 from epdserve.router.metrics import P, RouterMetrics
 
 if TYPE_CHECKING:
+    from epdserve.router.service import Router
     from epdserve.router.subscriber import PodSubscriber
 
 log = logging.getLogger(__name__)
 RECONCILE_INTERVAL = 2.0  # s between checks of one pod
 REASONS = ("restart", "cleared", "missed", "digest_mismatch")
+START_METRIC = "process_start_time_seconds"
 _lock = threading.Lock()
 
 
@@ -180,3 +188,30 @@ def log_resync(metrics: RouterMetrics, pod: str, reason: str, detail: str) -> No
     """Count one resync and say so at info."""
     healing_metrics(metrics).resyncs.labels(pod, reason).inc()
     log.info("pod %s: index resync (%s): %s", pod, reason, detail)
+
+
+def process_start(page: str) -> float | None:
+    """The page's ``process_start_time_seconds`` (None: absent or unreadable)."""
+    try:
+        found = metrics_text.values(metrics_text.parse(page, only=(START_METRIC,)), START_METRIC)
+    except ValueError:
+        return None
+    return found[0] if found else None
+
+
+def restarted(state, page: str) -> bool:
+    """Whether the pod of ``state`` (a scraped PodState) started anew since the last page
+    that told its start time (remembered on ``state``)."""
+    start = process_start(page)
+    if start is None:
+        return False
+    before = getattr(state, "process_start", None)
+    state.process_start = start
+    return before is not None and before != start
+
+
+def resubscribe(router: Router, name: str) -> None:
+    """A pod restarted unseen: drop its entries and follow its events anew (blocking)."""
+    log_resync(router.metrics, name, "restart", "its process start time changed")
+    router.set_health(name, False)
+    router.set_health(name, True)
