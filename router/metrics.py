@@ -108,6 +108,35 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.decision_blocks = Counter(
+            P + "decision_blocks",
+            "Prompt blocks of routed requests on the chosen pod, by tier: in its own cache "
+            "(local), loadable from the pool's shared store (store) or neither (miss)",
+            ["tier"],
+            registry=r,
+        )
+        self.best_prefix = Counter(
+            P + "decision_best_prefix",
+            "Routed requests by whether the chosen pod held the longest cached prefix of any "
+            "pod (best), another pod did (other), or no pod held any (none)",
+            ["choice"],
+            registry=r,
+        )
+        self.spread = Counter(
+            P + "spread_decisions",
+            "Requests sent away from the pod with the longest cached prefix, by why: its queue "
+            "outweighed a recompute or a store load elsewhere (cost), it was too busy "
+            "(balance), or it failed or was busy (retry)",
+            ["reason"],
+            registry=r,
+        )
+        self.prefill_backlog = Gauge(
+            P + "prefill_backlog_tokens",
+            "Prompt tokens of requests sent to the pod that have no first byte back yet, less "
+            "those cached where they were routed (the router's estimate)",
+            ["pod"],
+            registry=r,
+        )
         self.tokenize_errors = Counter(
             P + "tokenize_errors",
             "Prompts that could not be tokenized (routed by load)",

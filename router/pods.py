@@ -69,6 +69,8 @@ class PodState:
 
     endpoint: PodEndpoint
     inflight: int = 0
+    prefilling: int = 0  # of inflight: no first byte back yet
+    prefill_tokens: float = 0.0  # their prompt tokens the pod must compute (router's estimate)
     running: float = 0.0  # vllm:num_requests_running
     waiting: float = 0.0  # vllm:num_requests_waiting
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
+from epdserve.router.decisions import record_decision
 from epdserve.router.index import PrefixIndex
 from epdserve.router.keys import request_keys
 from epdserve.router.lora import AdapterLoads, AdapterPolicy
@@ -33,6 +34,9 @@ class Routing:
     total_blocks: dict[str, int]
     keys: dict[str, list[int]]  # pod -> the prompt's block keys at that pod's block size
     lora: str | None = None  # the adapter the request names (None: the base model)
+    prompt_tokens: int = 0  # the prompt's length as routed (0: not tokenized)
+    store: dict[str, int] = field(default_factory=dict)  # pod -> store blocks after its local
+    block_size: dict[str, int] = field(default_factory=dict)  # pod -> its block size
 
 
 class Router:
@@ -204,6 +208,8 @@ class Router:
         ids = self.prompt_ids(path, body) if pods else None
         lora = self._lora(body)
         matched, totals, keys, loadable = self._match(pods, ids, lora, _salt(body))
+        store = {n: loadable[n] - matched.get(n, 0) for n in loadable}
+        sizes = {p.name: self.index.block_size(p.name) or self.default_block_size for p in pods}
         affinity = image_affinity(body, [p.name for p in pods]) if self.strategy.uses_images else {}
         candidates = [
             Candidate(
@@ -213,14 +219,18 @@ class Router:
                 matched.get(p.name, 0),
                 totals.get(p.name, 0),
                 self.index.pod_block_count(p.name),
-                loadable.get(p.name, 0) - matched.get(p.name, 0),
+                store.get(p.name, 0),
                 affinity.get(p.name, 0),
+                len(ids or ()),
+                sizes[p.name],
+                p.prefill_tokens,
+                max(0, p.inflight - p.prefilling),
             )
             for p in pods
         ]
         order = self.strategy.rank(candidates)
         self.metrics.decision_latency.observe(time.perf_counter() - start)
-        return Routing(order, matched, totals, keys, lora)
+        return Routing(order, matched, totals, keys, lora, len(ids or ()), store, sizes)
 
     def _lora(self, body: dict) -> str | None:
         """The adapter ``body`` names: any model but the served one, or without a served
@@ -261,6 +271,7 @@ class Router:
         first = routing.order[0] if routing.order else None
         reason = first.reason if first and attempt == 0 else "retry"
         self.metrics.requests.labels(pod, reason).inc()
+        record_decision(self, routing, pod, attempt)
         self.pending.add(pod, routing.keys.get(pod, []))
         total = routing.total_blocks.get(pod, 0)
         if total:

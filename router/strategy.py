@@ -18,6 +18,10 @@ class Candidate:
     cached_blocks: int = 0  # blocks the index holds for the pod (emptier caches evict less)
     store_blocks: int = 0  # blocks after the local match the pod can load from the store
     affinity: int = 0  # the request's images' rendezvous weight for the pod (0: no images)
+    prompt_tokens: int = 0  # the prompt's length (0: unknown)
+    block_size: int = 0  # the pod's
+    prefill_backlog: float = 0.0  # tokens of requests sent to the pod still before their first
+    decoding: int = 0  # requests sent to the pod past their first token
 
     @property
     def prefix_fraction(self) -> float:
@@ -26,6 +30,22 @@ class Candidate:
     @property
     def store_fraction(self) -> float:
         return self.store_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    def uncached_tokens(self, store_cost: float) -> float:
+        """Prompt tokens the pod must compute, a store-loaded one counting ``store_cost``."""
+        return uncached_tokens(
+            self.prompt_tokens, self.block_size, self.matched_blocks, self.store_blocks, store_cost
+        )
+
+
+def uncached_tokens(
+    tokens: int, block_size: int, local: int, store: int, store_cost: float
+) -> float:
+    """``tokens`` less the ``local`` cached blocks, with the ``store`` blocks after them at
+    ``store_cost`` of a computed token each."""
+    hit = min(tokens, local * block_size)
+    loaded = min(tokens - hit, store * block_size)
+    return tokens - hit - loaded + store_cost * loaded
 
 
 @dataclass(frozen=True)
@@ -178,6 +198,45 @@ class PrefixLoad(Strategy):
         return [Decision(c.name, "load_balance" if spilled else _reason(c)) for c in ordered]
 
 
+class PrefixCost(Strategy):
+    """Least estimated work before the first token, in prompt tokens to compute: what the
+    pod still has to prefill for requests already sent to it (the router's own count, so it
+    is current to the request, unlike a scrape), plus this request's uncached tokens there
+    (a block loadable from the pool's shared store counts ``store_cost`` of a computed one),
+    plus ``decode_cost`` per request the pod is decoding (each adds its token to every step).
+    A hot prefix stays on its pod while the queue there costs less than a recompute
+    elsewhere, and spreads to other pods once it costs more; with a shared store the extra
+    pods load the prefix rather than compute it, so it spreads sooner."""
+
+    name = "prefix+cost"
+    uses_prefix = True
+
+    def __init__(self, store_cost: float = 0.1, decode_cost: float = 2.0) -> None:
+        if not 0 <= store_cost <= 1:
+            raise ValueError("--store-cost must be between 0 and 1")
+        if decode_cost < 0:
+            raise ValueError("--decode-cost must be >= 0")
+        self.store_cost, self.decode_cost = store_cost, decode_cost
+        self._tiebreak = _Tiebreak()
+
+    def cost(self, c: Candidate) -> float:
+        """Lower is better."""
+        work = c.uncached_tokens(self.store_cost) if c.prompt_tokens else 0.0
+        return c.prefill_backlog + work + self.decode_cost * c.decoding
+
+    def rank(self, candidates: list[Candidate]) -> list[Decision]:
+        if not candidates:
+            return []
+        tie = self._tiebreak.key(candidates)
+        ordered = sorted(
+            candidates,
+            key=lambda c: (self.cost(c), -c.matched_blocks, c.load, c.cached_blocks, tie[c.name]),
+        )
+        best = max(c.matched_blocks for c in candidates)
+        spread = best > ordered[0].matched_blocks
+        return [Decision(c.name, "spread" if spread else _reason(c)) for c in ordered]
+
+
 def _reason(c: Candidate) -> str:
     """The tier that won: the pod's own cache, the shared store, or neither."""
     if c.matched_blocks:
@@ -190,6 +249,7 @@ STRATEGIES = {
     "least-load": LeastLoad,
     "prefix": Prefix,
     "prefix+load": PrefixLoad,
+    "prefix+cost": PrefixCost,
 }
 
 
@@ -197,6 +257,6 @@ def make_strategy(name: str, **weights: float) -> Strategy:
     """The strategy class registered under ``name`` (``--strategy``)."""
     if name not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {sorted(STRATEGIES)}, got {name!r}")
-    if name == "prefix+load":
-        return PrefixLoad(**weights)
+    if name in ("prefix+load", "prefix+cost"):
+        return STRATEGIES[name](**weights)
     return STRATEGIES[name]()
