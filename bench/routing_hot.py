@@ -4,16 +4,19 @@ Every pod is a real ``epdserve serve`` (colocated, KV events on) that saves its 
 shared ``redis-server`` (``RedisConnector``, ``kv_both``), so a pod that takes a tenant for the
 first time can load the tenant's prefix from the store instead of recomputing it. The router
 runs each strategy in turn from cold pods and an empty store: ``round-robin``, ``prefix`` (pure
-prefix affinity: the longest cached prefix wins, load only breaks ties) and ``prefix+load``.
+prefix affinity: the longest cached prefix wins, load only breaks ties), ``prefix+load`` and
+``prefix+cost``. Each pod's KV cache holds ``--kv-blocks`` blocks, so no pod holds every
+tenant's prefix.
 
 Load is open-loop (Poisson arrivals, the same seeded schedule for every strategy) at
 ``--load`` times the capacity a calibration run measured (a closed loop through
-``prefix+load``), so the hot tenant's demand exceeds what one pod serves. Prints one JSON:
+``--calibrate-with``), so the hot tenant's demand exceeds what one pod serves. Prints one JSON:
 per strategy TTFT p50/p90, the pods' own prefix-hit rate, store loads and the router's
 decisions by reason; then the p90 ratios against round-robin and against pure prefix.
 
     .venv/bin/python bench/routing_hot.py [--pods 4] [--tenants 16] [--requests 240]
-        [--load 0.9] [--rate R] [--preset small] [--strategies round-robin,prefix,prefix+load]
+        [--load 0.9] [--rate R] [--preset small] [--kv-blocks 96] [--no-store]
+        [--strategies round-robin,prefix,prefix+load,prefix+cost] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -72,6 +75,10 @@ def start_pool(
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"url": f"redis://127.0.0.1:{redis_port}/0"},
     }
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    block_bytes = cfg["num_hidden_layers"] * 2 * BS * kv_heads * head_dim * 2  # bf16
     pods = []
     for i in range(args.pods):
         port, events, replay = free_port(), free_port(), free_port()
@@ -85,7 +92,9 @@ def start_pool(
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
         cmd += ["--block-size", str(BS), "--max-model-len", "1024", "--dtype", args.dtype]
         cmd += ["--kv-events-config", json.dumps(config)]
-        cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        cmd += ["--kv-cache-memory", str(args.kv_blocks * block_bytes)]
+        if not args.no_store:
+            cmd += ["--kv-transfer-config", json.dumps(transfer)]
         log = open(logs / f"{tag or strategy}-pod{i}.log", "w")  # noqa: SIM115
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         pods.append(f"http://127.0.0.1:{port},events={events},replay={replay}")
@@ -228,8 +237,11 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.0, help="requests/s (skips calibration)")
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--strategies", default="round-robin,prefix,prefix+load")
+    p.add_argument("--kv-blocks", type=int, default=96, help="KV blocks per pod (of 32 tokens)")
+    p.add_argument("--no-store", action="store_true", help="pods without the shared store")
+    p.add_argument("--strategies", default="round-robin,prefix,prefix+load,prefix+cost")
     p.add_argument("--router-args", default="", help="extra router flags, e.g. thresholds")
+    p.add_argument("--calibrate-with", default="prefix+cost", help="strategy of the calibration")
     p.add_argument("--logs", default="", help="keep the processes' logs in this folder")
     args = p.parse_args()
     from epdserve.engine.make_model import make_model
@@ -238,13 +250,14 @@ def main() -> None:
     work = workload(args)
     out: dict = {"pods": args.pods, "tenants": args.tenants, "zipf": args.zipf}
     out.update(requests=args.requests, preset=args.preset, block_size=BS)
+    out.update(kv_blocks_per_pod=args.kv_blocks, shared_store=not args.no_store)
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(args.logs or tmp)
         logs.mkdir(parents=True, exist_ok=True)
         model = Path(make_model("llama", logs / "model", 0, args.preset))
         rate = args.rate
         if not rate:
-            procs, url, _ = start_pool(args, model, logs, "prefix+load", "calibrate")
+            procs, url, _ = start_pool(args, model, logs, args.calibrate_with, "calibrate")
             try:
                 asyncio.run(closed_loop(url, [w for _, w in work[:8]], 4))  # warm
                 capacity = asyncio.run(closed_loop(url, [w for _, w in work[:96]], 2 * args.pods))
@@ -258,12 +271,12 @@ def main() -> None:
             runs[s] = run_strategy(args, model, logs, s, work, rate)
             print(json.dumps({s: runs[s]}), file=sys.stderr, flush=True)
     out["runs"] = runs
-    if "prefix+load" in runs:
-        p90 = runs["prefix+load"]["ttft_p90_ms"]
+    for ours in ("prefix+load", "prefix+cost"):
         for other in ("round-robin", "prefix"):
-            if other in runs:
-                key = "ttft_p90_prefix_load_vs_" + other.replace("-", "_")
-                out[key] = round(runs[other]["ttft_p90_ms"] / max(p90, 1e-9), 2)
+            if ours in runs and other in runs:
+                key = f"ttft_p90_{ours}_vs_{other}".replace("-", "_").replace("+", "_")
+                p90 = max(runs[ours]["ttft_p90_ms"], 1e-9)
+                out[key] = round(runs[other]["ttft_p90_ms"] / p90, 2)
     out["targets"] = {"ttft_p90_vs_round_robin": 10.0, "ttft_p90_vs_prefix": 1.5}
     print(json.dumps(out, indent=1))
 
