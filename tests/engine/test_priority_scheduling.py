@@ -184,3 +184,30 @@ def test_the_policy_is_a_serve_flag_and_an_engine_setting_checked_by_name():
     assert EngineConfig(model="m", device="cpu").scheduling_policy == "fcfs"
     with pytest.raises(ValueError, match="^scheduling_policy: must be fcfs or priority"):
         EngineConfig(model="m", device="cpu", scheduling_policy="lifo")
+
+
+def test_offline_generate_takes_a_priority_per_prompt_and_serves_lower_first(models, monkeypatch):
+    from epdserve.engine import LLM
+
+    llm = LLM(
+        str(models.get("llama")), max_model_len=256, max_num_seqs=1, scheduling_policy="priority"
+    )
+    finished, step = [], llm.engine.step
+
+    def spy():  # the core's outputs, passed on; the finished ones recorded in order
+        outputs = step()
+        finished.extend(o for o in outputs if o.finish_reason)
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", spy)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    out = llm.generate(["a", "b", "c"], params, priority=[5, -1, 9])
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3, 3]  # in prompt order
+    by_id = {o.request_id: i for i, o in enumerate(out)}
+    assert [by_id[o.request_id] for o in finished] == [1, 0, 2]
+    for bad, message in ((True, "64-bit"), (1.5, "64-bit"), ([1], "one entry per prompt")):
+        with pytest.raises(ValueError, match=f"^priority: .*{message}"):
+            llm.generate(["a", "b"], params, priority=bad)
+    monkeypatch.setattr(llm, "config", EngineConfig(model=llm.config.model, device="cpu"))
+    with pytest.raises(ValueError, match="^priority: 3 needs scheduling_policy='priority'"):
+        llm.generate(["a"], params, priority=3)

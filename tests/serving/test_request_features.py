@@ -161,3 +161,21 @@ def test_a_benchmark_clients_streaming_payload_is_served_as_is(server, path, pay
     assert events[-1] == "[DONE]"
     usage = json.loads(events[-2])["usage"]
     assert usage["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_fcfs_refuses_a_non_zero_priority_naming_it_and_takes_zero(client, stream):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=1,
+            stream=stream,
+            extra_body={"priority": 1},
+        )
+    assert err.value.body["param"] == "priority"
+    assert "--scheduling-policy priority" in err.value.body["message"]
+    out = client.completions.create(
+        model="tiny", prompt="x", max_tokens=1, extra_body={"priority": 0}
+    )
+    assert out.choices[0].finish_reason == "length"
