@@ -35,7 +35,7 @@ from vs_vllm_env import DEFAULT_VENV, make_checkpoint, vllm_version  # noqa: E40
 from epdserve.router.keys import request_keys  # noqa: E402
 from epdserve.router.tokenize import PromptTokenizer  # noqa: E402
 
-STRATEGIES = ("prefix+load", "round-robin")
+STRATEGIES = ("prefix+load", "round-robin", "prefix+load:salted")
 GOAL = 0.95
 
 
@@ -83,8 +83,10 @@ def affinity_oracle(requests: list[tuple[int, str, list[int]]], bs: int) -> list
     return hits
 
 
-def run_strategy(args, strategy: str, pool, model: Path, requests, ideal, logs: Path) -> dict:
-    """One router with ``strategy`` over ``pool``: the pods' own hit rate and the oracle's."""
+def run_strategy(args, spec: str, pool, model: Path, requests, ideal, logs: Path) -> dict:
+    """One router with ``spec``'s strategy over ``pool``: the pods' own hit rate and the
+    oracle's. ``STRATEGY:salted``: every tenant sends its own ``cache_salt``."""
+    strategy, _, variant = spec.partition(":")
     router, url = pods.start_router(args, strategy, model, pool, logs)
     client = httpx.Client(timeout=600)
 
@@ -94,7 +96,8 @@ def run_strategy(args, strategy: str, pool, model: Path, requests, ideal, logs: 
     bodies = [
         {"model": "tiny", "prompt": p, "max_tokens": args.max_tokens, "temperature": 0}
         | {"ignore_eos": True}
-        for _, p, _ in requests
+        | ({"cache_salt": f"tenant-{t}"} if variant == "salted" else {})
+        for t, p, _ in requests
     ]
     try:
         before = {p.name: pods.pod_prefix_counters(p) for p in pool.pods}
@@ -108,6 +111,7 @@ def run_strategy(args, strategy: str, pool, model: Path, requests, ideal, logs: 
             with ThreadPoolExecutor(args.concurrency) as ex:
                 list(ex.map(post, bodies))
         after = {p.name: pods.pod_prefix_counters(p) for p in pool.pods}
+        decisions = pods.router_best_prefix(url)
     finally:
         client.close()
         pods.stop(router)
@@ -125,6 +129,7 @@ def run_strategy(args, strategy: str, pool, model: Path, requests, ideal, logs: 
         "hits_tokens": hits,
         "queries_tokens": queries,
         "ideal_hits_tokens": sum(ideal),
+        "router_best_prefix": decisions,  # none: no pod held any block of the prompt
         "per_pod": {
             n: v | {"hit_rate": round(v["hits"] / max(v["queries"], 1.0), 4)}
             for n, v in per_pod.items()
@@ -154,6 +159,8 @@ def run_kind(args, kind: str, model: Path, tok: PromptTokenizer, logs: Path) -> 
         out["ours_over_ideal"] = out["prefix+load"]["ratio_vs_ideal"]
     if "round-robin" in out:
         out["round_robin_over_ideal"] = out["round-robin"]["ratio_vs_ideal"]
+    if "prefix+load:salted" in out:
+        out["ours_salted_over_ideal"] = out["prefix+load:salted"]["ratio_vs_ideal"]
     return out
 
 
@@ -172,6 +179,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks per pod")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny", help="make-model preset of the checkpoint")
+    p.add_argument("--model", default=None, help="a checkpoint to use instead of making one")
     p.add_argument("--vllm-venv", default=os.environ.get("EPDSERVE_VLLM_VENV", str(DEFAULT_VENV)))
     p.add_argument("--vllm-hash-algo", default="sha256", help="vLLM --prefix-caching-hash-algo")
     p.add_argument("--router-args", default="", help="extra `epdserve router` flags")
@@ -190,7 +198,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
-        model = make_checkpoint(logs / "model", args.preset)
+        model = Path(args.model) if args.model else make_checkpoint(logs / "model", args.preset)
         tok = PromptTokenizer(model)
         result = {
             "workload": {

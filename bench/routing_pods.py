@@ -182,3 +182,12 @@ def router_decisions(url: str) -> tuple[dict[tuple[str, str], float], float]:
         page, "epdserve_router:decision_prefix_blocks_total", kind="matched"
     )
     return routed, matched
+
+
+def router_best_prefix(url: str) -> dict[str, float]:
+    """Requests by whether the router sent them to the pod with the longest cached prefix
+    (``best``), another pod (``other``) or found none cached (``none``); {} if it has no
+    such counter."""
+    page = metrics_text.parse(httpx.get(url + "/metrics", timeout=10).text)
+    name = "epdserve_router:decision_best_prefix_total"
+    return {s.labels["choice"]: s.value for s in page if s.name == name}

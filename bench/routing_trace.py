@@ -39,13 +39,14 @@ class ShadowIndex:
         for sub in self._subs:
             sub.start()
 
-    def held(self, ids: list[int]) -> dict[str, int]:
+    def held(self, ids: list[int], salt: str | None = None) -> dict[str, int]:
         """Per pod, how many of the prompt's leading blocks its cache holds."""
-        return self.index.match(request_keys(ids, self.block_size), [p.name for p in self.pods])
+        keys = request_keys(ids, self.block_size, cache_salt=salt)
+        return self.index.match(keys, [p.name for p in self.pods])
 
-    def wait_for(self, pod: str, ids: list[int], timeout: float) -> bool:
+    def wait_for(self, pod: str, ids: list[int], salt: str | None, timeout: float) -> bool:
         """Whether every full block of ``ids`` is indexed on ``pod`` within ``timeout`` s."""
-        keys = request_keys(ids, self.block_size)
+        keys = request_keys(ids, self.block_size, cache_salt=salt)
         deadline = time.monotonic() + timeout
         while self.index.match(keys, [pod])[pod] < len(keys):
             if time.monotonic() > deadline:
@@ -78,9 +79,10 @@ def traced_run(router_url: str, pods: list[Pod], requests, post, bs: int) -> dic
         time.sleep(0.5)  # the shadow's subscribers connect and replay
         for i, (tenant, ids, body, ideal) in enumerate(requests):
             prev_indexed = None
+            salt = body.get("cache_salt")
             if prev is not None:  # what the router could know when this request came
-                prev_indexed = shadow.wait_for(prev[0], prev[1], 0.0)
-            held = shadow.held(ids)
+                prev_indexed = shadow.wait_for(*prev, timeout=0.0)
+            held = shadow.held(ids, salt)
             routed0, matched0 = router_decisions(router_url)
             before = {p.name: pod_prefix_counters(p) for p in pods}
             post(body)
@@ -102,7 +104,7 @@ def traced_run(router_url: str, pods: list[Pod], requests, post, bs: int) -> dic
                     "loss": classify(ideal, got, held, chosen, bs),
                 }
             )
-            prev = (chosen, ids)
+            prev = (chosen, ids, salt)
     finally:
         shadow.close()
     return summarize(records)
