@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epdserve.operator import kvevents, lora, meta, source
+from epdserve.operator import kvevents, lora, meta, source, tenancy
 from epdserve.operator.engine import api_key_env, downward_env, model_claim, model_volumes
 from epdserve.operator.spec import PoolSpec
 
@@ -101,6 +101,7 @@ def router_command(pool: PoolSpec) -> list[str]:
         str(meta.REPLAY_PORT),
         *kvevents.router_args(pool),
         *lora.router_args(pool.lora, model_claim(pool)),
+        *tenancy.router_args(pool.router.tenancy),
     ]
 
 
@@ -109,6 +110,7 @@ def build_router_deployment(pool: PoolSpec) -> dict:
     router = pool.router
     model_vols, model_mounts = model_volumes(pool)
     curve_vols, curve_mounts = kvevents.router_volumes(pool)
+    tenant_vols, tenant_mounts = tenancy.router_volumes(router.tenancy)
     container = {
         "name": "router",
         "image": router.image,
@@ -128,6 +130,7 @@ def build_router_deployment(pool: PoolSpec) -> dict:
             source.cache_mount(),
             *model_mounts,
             *curve_mounts,
+            *tenant_mounts,
         ],
         "securityContext": meta.container_security_context(),
         "livenessProbe": meta.http_probe("/health", period=10, failures=3, initial=5),
@@ -143,6 +146,7 @@ def build_router_deployment(pool: PoolSpec) -> dict:
             source.cache_volume(pool.model_hf),
             *model_vols,
             *curve_vols,
+            *tenant_vols,
         ],
     }
     if pool.model_hf:  # the engine image downloads (the router image may lack the hub client)

@@ -25,6 +25,7 @@ from epdserve.operator.gpu import role_gpus, validate_device, with_gpus
 from epdserve.operator.lora import LoraSpec, parse_lora
 from epdserve.operator.source import HubSource, parse_hub_source
 from epdserve.operator.spec_fields import resources, secret_ref
+from epdserve.operator.tenancy import TenancySpec, parse_tenancy
 
 GROUP = "epdserve.io"
 VERSION = "v1alpha1"
@@ -64,6 +65,7 @@ class RouterSpec:
     service_type: str = "ClusterIP"
     service_port: int = 80
     api_key_secret: tuple[str, str] | None = None  # (secret name, key) -> EPDSERVE_API_KEY
+    tenancy: TenancySpec | None = None  # tenant keys and the fair queue (operator/tenancy.py)
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
             api_key_secret=secret_ref(
                 router.get("apiKeySecretRef"), "api-key", "spec.router.apiKeySecretRef"
             ),
+            tenancy=parse_tenancy(router.get("tenancy")),
         ),
         service_monitor=(
             {
