@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from epdserve.router.subscriber import PodSubscriber
 
 log = logging.getLogger(__name__)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 RECONCILE_INTERVAL = 2.0  # s between checks of one pod
 REASONS = ("restart", "cleared", "missed", "digest_mismatch")
 START_METRIC = "process_start_time_seconds"
@@ -106,6 +107,7 @@ class Reconciler:
         self.sub, self.interval = sub, interval
         self.instance: int | None = None  # the pod publisher's identity, once known
         self.digests = True  # until the pod answers without one
+        self._mismatched = False  # the last comparison differed (a resync followed)
         self._due = 0.0  # the first check right after the initial replay
 
     def due(self) -> bool:
@@ -145,8 +147,15 @@ class Reconciler:
             sub.digest = StreamDigest(answer.tiers())
             return "adopted"
         if sub.digest.state() != answer.tiers():
+            if self._mismatched:  # a resync did not help: a fault, not drift; until a
+                # comparison agrees again, take the pod's digest rather than replay forever
+                log.warning("pod %s: KV-event digest differs again after a resync", sub.pod)
+                sub.digest = StreamDigest(answer.tiers())
+                return "mismatch_again"
+            self._mismatched = True
             sub.resync("digest_mismatch")
             return "mismatch"
+        self._mismatched = False
         return "ok"
 
     def _ask_digest(self) -> DigestAnswer | str:
@@ -167,6 +176,8 @@ class Reconciler:
             dealer.close()
         if len(frames) == 4 and frames[2] == DIGEST_REQUEST:
             return decode_answer(frames[3])
+        if len(frames) != 4 or frames[2] != END_SEQ:
+            raise DigestError(f"not a digest answer nor an end marker ({len(frames)} frames)")
         self.digests = False  # vLLM and older pods answer with the replay end marker
         log.info("pod %s has no KV-event digest: checking it by tail probes", sub.pod)
         return "unsupported"
