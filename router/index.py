@@ -26,7 +26,7 @@ from epdserve.connectors.kv_events import (
     BlockStored,
     EventBatch,
 )
-from epdserve.router.keys import chain_keys, first_block_salt, root_key, token_bytes
+from epdserve.router.keys import chain_keys, first_block_salt, root_key, token_bytes, without_lora
 
 LOCAL, STORE = "local", "store"
 TIERS = (LOCAL, STORE)
@@ -115,7 +115,7 @@ class PrefixIndex:
         if event.router_keys is not None:
             self._store_keyed(owner, blocks, event, result)
             return
-        extra = event.extra_keys
+        extra = without_lora(event.extra_keys, event.lora_name)  # the name is in the root
         if event.parent_block_hash is None:
             salt = first_block_salt(extra[0]) if extra else None
             parent = root_key(event.lora_name, salt)

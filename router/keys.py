@@ -8,6 +8,7 @@ from epdserve.connectors.kv_events.keys import (
     request_keys,
     root_key,
     token_bytes,
+    without_lora,
 )
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "request_keys",
     "root_key",
     "token_bytes",
+    "without_lora",
 ]

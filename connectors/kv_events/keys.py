@@ -77,6 +77,25 @@ def request_keys(
     return chain_keys(root_key(lora_name, cache_salt), packed, block_size, num_blocks)
 
 
+def without_lora(extra_keys: list | None, lora_name: str | None) -> list | None:
+    """A ``BlockStored``'s per-block extra keys less the adapter's name.
+
+    Engines key every block of an adapter's request by the adapter's name, first among the
+    block's extra keys (vLLM 0.32 sends it bare: ``[["sql"], ["sql"], ...]``; so do our pods).
+    The event's ``lora_name`` already carries it and the router's root key covers it, so it is
+    dropped here: left in, it read as block 0's salt and as an image key on the rest, and an
+    adapter's blocks were never indexed.
+    """
+    if not lora_name or not extra_keys:
+        return extra_keys
+    out = []
+    for keys in extra_keys:
+        if isinstance(keys, list | tuple) and keys and keys[0] == lora_name:
+            keys = list(keys[1:]) or None
+        out.append(keys)
+    return out
+
+
 def first_block_salt(extra_keys: object) -> str | None:
     """The ``cache_salt`` in a prompt's first block's event extra keys, if any.
 
