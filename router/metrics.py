@@ -159,6 +159,13 @@ class RouterMetrics:
             P + "scrape_errors", "Failed pod metric scrapes", ["pod"], registry=r
         )
 
+        for tier in ("local", "store", "miss"):  # every series from the start: rate() is 0
+            self.decision_blocks.labels(tier)
+        for choice in ("best", "other", "none"):
+            self.best_prefix.labels(choice)
+        for why in ("cost", "balance", "score", "retry"):
+            self.spread.labels(why)
+
     def render(self) -> bytes:
         """The text exposition of every metric."""
         return generate_latest(self.registry)

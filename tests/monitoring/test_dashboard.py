@@ -250,3 +250,16 @@ def test_the_operators_keda_queries_return_data_for_each_role(scraped_pool, metr
     for role in ("prefill", "decode"):
         query, _ = prometheus_query(pool, role, metric)
         assert problems(prom.query(query, end), query) is None, (role, query)
+
+
+def test_collapsed_row_queries_are_valid_promql(scraped_pool):
+    """Rows for optional features (LoRA, tenants) may have no data on this pool, but each
+    of their queries must evaluate: a typo would otherwise only show in a user's Grafana."""
+    prom, start, end = scraped_pool
+    variables = template_variables(prom, start, end)
+    rows = [p for p in DASHBOARD["panels"] if p["type"] == "row"]
+    assert {r["title"] for r in rows} >= {"LoRA adapters", "Tenants"}
+    for row in rows:
+        for panel in row["panels"]:
+            for target in panel["targets"]:
+                prom.query(substitute(target["expr"], variables), end)  # asserts success
