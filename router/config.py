@@ -216,14 +216,14 @@ class RouterConfig:
     def tenancy(self):
         """Tenant identity and fair-queue settings; None when no tenant flag is set."""
         from epdserve.router.tenant_gate import GateSettings, Tenancy
-        from epdserve.router.tenants import Identity, TenantTable
+        from epdserve.router.tenants import Identity, TenantFile, TenantTable
 
         if not (self.tenant_keys or self.tenant_header or self.max_inflight_per_pod):
             return None
         header = (self.tenant_header or "").strip().lower()
         if self.tenant_header is not None and not TOKEN.match(header) or header == "authorization":
             raise ValueError(f"--tenant-header must be a header name, got {self.tenant_header!r}")
-        table = TenantTable.load(self.tenant_keys) if self.tenant_keys else TenantTable.empty()
+        table = TenantFile(self.tenant_keys) if self.tenant_keys else TenantTable.empty()
         identity = Identity(
             table, header.encode() or None, self.api_key.encode() if self.api_key else None
         )

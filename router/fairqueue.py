@@ -64,6 +64,11 @@ class TenantQueueMetrics:
             ["tenant", "reason"],
             registry=registry,
         )
+        self.keys_reload_errors = Counter(
+            P + "tenant_keys_reload_errors",
+            "Changed tenant-keys files that did not parse (the last good keys stay)",
+            registry=registry,
+        )
         self.active = Gauge(
             P + "fair_queue_active", "Requests holding a fair-queue slot", registry=registry
         )

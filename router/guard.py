@@ -76,7 +76,7 @@ class TenantCheck:
             await _unauthorized(self.metrics)(scope, receive, send)
             return
         scope = dict(scope, state={**scope.get("state", {}), "tenant": tenant})
-        if token and self.identity.table.by_key(token) is not None:
+        if token and self.identity.table.current().by_key(token) is not None:
             scope["headers"] = self._upstream_auth(scope["headers"])
         await self.app(scope, receive, send)
 

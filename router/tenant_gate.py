@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from epdserve.router.fairqueue import FairQueue, QueueFull, QueueTimeout, TenantQueueMetrics
 from epdserve.router.proxy import openai_error
-from epdserve.router.tenants import DEFAULT, Identity, Tenant, TenantLabels
+from epdserve.router.tenants import DEFAULT, Identity, Tenant, TenantFile, TenantLabels
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ def add_gate(app, tenancy: Tenancy, registry, pods: Callable[[], int]) -> FairQu
     many pods the router can send generation requests to now. Returns the queue (None: off)."""
     settings, metrics = tenancy.gate, TenantQueueMetrics(registry)
     labels = TenantLabels(tenancy.identity.table.by_name)
+    if isinstance(tenancy.identity.table, TenantFile):
+        tenancy.identity.table.on_error = metrics.keys_reload_errors.inc
     queue = None
     if settings.max_inflight_per_pod > 0:
 

@@ -18,12 +18,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 DEFAULT = "default"  # requests no key or header names
 OTHER = "other"  # the metrics label of tenants past MAX_LABELS
@@ -90,6 +95,10 @@ class TenantTable:
                 keys[digest] = tenant.name
         return cls(tenants, keys)
 
+    def current(self) -> TenantTable:
+        """Itself (a ``TenantFile`` answers its latest table)."""
+        return self
+
     def tenant(self, name: str) -> Tenant:
         """The configured tenant, or one of weight 1 (header tenants not in the file)."""
         return self.by_name.get(name) or Tenant(name)
@@ -131,6 +140,46 @@ def _digest(key, at: str) -> bytes:
     return key_digest(key)
 
 
+class TenantFile:
+    """``--tenant-keys``, read again when it changes (checked at most every ``check_s``): a
+    Secret's update reaches its mounted file, so keys rotate without a restart. A file that
+    no longer parses keeps the last good table (logged, and counted by ``on_error``)."""
+
+    def __init__(self, path: str, check_s: float = 5.0) -> None:
+        self.path, self.check_s = path, check_s
+        self.on_error = lambda: None
+        self._table = TenantTable.load(path)
+        self._stamp = self._stat()
+        self._next = time.monotonic() + check_s
+
+    @property
+    def by_name(self) -> dict[str, Tenant]:
+        return self.current().by_name
+
+    def current(self) -> TenantTable:
+        now = time.monotonic()
+        if now < self._next:
+            return self._table
+        self._next = now + self.check_s
+        stamp = self._stat()
+        if stamp != self._stamp:
+            self._stamp = stamp  # a bad file is reported once, not at every check
+            try:
+                self._table = TenantTable.load(self.path)
+                log.info("tenant keys reloaded from %s", self.path)
+            except ValueError as exc:
+                log.error("tenant keys not reloaded, the last good ones stay: %s", exc)
+                self.on_error()
+        return self._table
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)  # follows the Secret volume's ..data symlink
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 class TenantLabels:
     """Metric labels of tenant names: the first ``limit`` distinct names keep their own,
     later ones share ``other`` (configured tenants always keep theirs)."""
@@ -160,20 +209,21 @@ class Identity:
     """How the router names a request's tenant (``--tenant-keys``, ``--tenant-header``,
     ``--api-key``). ``identify`` answers the tenant or None (401)."""
 
-    table: TenantTable
+    table: TenantTable | TenantFile
     header: bytes | None = None  # lowercased header name set by a trusted gateway
     api_key: bytes | None = None  # the shared key: the default (or the header's) tenant
 
-    @property
-    def needs_key(self) -> bool:
-        return bool(self.table.by_digest) or self.api_key is not None
+    def needs_key(self, table: TenantTable) -> bool:
+        """A key is required: some tenant has one, or ``--api-key`` is set."""
+        return bool(table.by_digest) or self.api_key is not None
 
     def identify(self, token: bytes | None, header_value: bytes | None) -> Tenant | None:
         """A key rules: a tenant key names its tenant; the shared key, or no key when none
         is required, leaves the choice to the gateway header, else the default tenant.
         None: a key is required and ``token`` is not one of them. Raises BadTenantHeader."""
-        if self.needs_key:
-            tenant = self.table.by_key(token) if token else None
+        table = self.table.current()
+        if self.needs_key(table):
+            tenant = table.by_key(token) if token else None
             if tenant is not None:
                 return tenant
             shared = self.api_key is not None and hmac.compare_digest(token or b"", self.api_key)
@@ -186,5 +236,5 @@ class Identity:
                     f"{self.header.decode()} must be 1-63 characters of "
                     "[A-Za-z0-9._-] starting with a letter or digit"
                 )
-            return self.table.tenant(name)
-        return self.table.tenant(DEFAULT)
+            return table.tenant(name)
+        return table.tenant(DEFAULT)

@@ -13,6 +13,7 @@ from epdserve.router.tenants import (
     OTHER,
     BadTenantHeader,
     Identity,
+    TenantFile,
     TenantLabels,
     TenantTable,
 )
@@ -105,7 +106,7 @@ def test_router_config_builds_tenancy_only_when_asked(tmp_path):
         endpoint=[ENDPOINT[1]], tenant_keys=str(keys), max_inflight_per_pod=2
     ).tenancy()
     assert tenancy.gate.max_inflight_per_pod == 2
-    assert tenancy.identity.table.by_key(b"sk-b").name == "batch"
+    assert tenancy.identity.table.current().by_key(b"sk-b").name == "batch"
 
 
 @pytest.mark.parametrize(
@@ -121,3 +122,30 @@ def test_router_config_builds_tenancy_only_when_asked(tmp_path):
 def test_bad_tenant_flags_name_the_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
         RouterConfig(endpoint=[ENDPOINT[1]], **options)
+
+
+def test_a_changed_keys_file_is_read_again_and_a_broken_one_keeps_the_last_keys(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(TENANTS))
+    errors = []
+    source = TenantFile(str(path), check_s=0.0)
+    source.on_error = lambda: errors.append(1)
+    assert source.current().by_key(b"sk-a1").name == "team-a"
+    rotated = {"tenants": [{"name": "team-a", "keys": ["sk-a-new"]}]}
+    replacement = tmp_path / "next.json"  # swapped in whole, as a Secret volume does
+    replacement.write_text(json.dumps(rotated))
+    replacement.replace(path)
+    assert source.current().by_key(b"sk-a1") is None
+    assert source.current().by_key(b"sk-a-new").name == "team-a"
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    broken.replace(path)
+    assert source.current().by_key(b"sk-a-new").name == "team-a"
+    assert errors == [1]
+    source.current()
+    assert errors == [1]  # reported once per change
+
+
+def test_a_keys_file_without_keys_leaves_requests_to_the_header():
+    ident = Identity(TenantTable.parse({"tenants": [{"name": "gw", "weight": 5}]}), b"x-t")
+    assert ident.identify(None, b"gw").weight == 5
