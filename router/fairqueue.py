@@ -125,6 +125,21 @@ class FairQueue:
         """Slots ``tenant`` holds."""
         return self._held.get(tenant, 0)
 
+    def poke(self) -> None:
+        """Capacity may have grown: hand out free slots now rather than at the next tick."""
+        self._pump()
+
+    def check_integrity(self) -> None:
+        """Assert the bookkeeping agrees with itself (tests call this after every step)."""
+        live = [w for _, _, w in self._heap if not w.future.done()]
+        assert self.active == sum(self._held.values()), (self.active, self._held)
+        assert len(live) == self.depth(), (len(live), self._depth)
+        for tenant, depth in self._depth.items():
+            assert sum(not w.future.done() for w in self._queues[tenant]) == depth, tenant
+        assert set(self._weight) >= set(self._depth) | {t for t, n in self._held.items() if n}
+        if live:  # work-conserving: nobody waits while a normal slot is free (after a pump)
+            assert self.active >= self.capacity(), (self.active, self.capacity())
+
     async def acquire(self, tenant: str, weight: float = 1.0) -> int:
         """Wait for a slot; returns its admission ordinal. Raises QueueFull, QueueTimeout;
         a cancelled caller leaves the queue (and gives back a slot it was just handed)."""

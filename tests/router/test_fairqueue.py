@@ -238,3 +238,40 @@ def test_held_slots_and_shares_are_forgotten_when_a_tenant_is_done():
         return queue.active, queue._held, queue._weight
 
     assert asyncio.run(run()) == (0, {}, {})
+
+
+def test_random_arrivals_cancels_and_releases_keep_the_books_straight():
+    import random
+
+    async def run():
+        rng = random.Random(7)
+        slots = Slots(3)
+        queue = FairQueue(slots, max_waiting=5, reserve=lambda: 1)
+        holders: list[tuple[str, asyncio.Future]] = []
+        waiting: list[tuple[str, asyncio.Future]] = []
+        for _ in range(600):
+            action = rng.random()
+            if action < 0.45:
+                tenant = rng.choice(["a", "b", "c"])
+                weight = {"a": 1.0, "b": 2.0, "c": 0.5}[tenant]
+                if queue.depth(tenant) < 5:
+                    waiting.append((tenant, asyncio.ensure_future(queue.acquire(tenant, weight))))
+            elif action < 0.75 and holders:
+                tenant, _ = holders.pop(rng.randrange(len(holders)))
+                queue.release(tenant)
+            elif action < 0.85 and waiting:
+                waiting.pop(rng.randrange(len(waiting)))[1].cancel()
+            elif action < 0.9:
+                slots.n = rng.randint(1, 4)
+                queue.poke()
+            await settle()
+            holders += [(t, f) for t, f in waiting if f.done() and not f.cancelled()]
+            waiting = [(t, f) for t, f in waiting if not f.done()]
+            queue.check_integrity()
+        for _, future in waiting:
+            future.cancel()
+        await settle()
+        queue.check_integrity()
+        return queue.admissions
+
+    assert asyncio.run(run()) > 100
