@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from epdserve.router.strategy import uncached_tokens
+from epdserve.router.strategy import Candidate, uncached_tokens
 
 if TYPE_CHECKING:
     from epdserve.router.pods import PodState
@@ -28,27 +28,69 @@ DEFAULT_STORE_COST = 0.1
 SPREAD_REASONS = {"spread": "cost", "load_balance": "balance"}
 
 
-def start_prefill(router: Router, pod: PodState, routing: Routing) -> float:
-    """Add the request's work to ``pod``'s backlog; returns it for :func:`end_prefill`."""
-    size = routing.block_size.get(pod.name, 0)
-    work = uncached_tokens(
-        routing.prompt_tokens,
-        size,
+class Charge:
+    """A request's work on one pod's backlog: charged to the first-ranked pod when it is
+    routed (so a burst of requests routed together sees each other's work), moved to the
+    pod an attempt goes to, and released at that pod's first byte, when the attempt fails,
+    or, whatever happens to the request, when its routing is dropped."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self.pod: PodState | None = None
+        self.work = 0.0
+
+    def move_to(self, pod: PodState | None, routing: Routing) -> None:
+        """Charge ``pod`` (None: nobody) instead of the pod charged now."""
+        with self._router.charge_lock:
+            if pod is self.pod:
+                return
+            self._release()
+            if pod is not None:
+                self.pod, self.work = pod, work_on(self._router, pod.name, routing)
+                pod.prefilling += 1
+                pod.prefill_tokens += self.work
+                self._router.metrics.prefill_backlog.labels(pod.name).set(pod.prefill_tokens)
+
+    def release(self) -> None:
+        with self._router.charge_lock:
+            self._release()
+
+    def _release(self) -> None:
+        pod, self.pod = self.pod, None
+        if pod is not None:
+            pod.prefilling = max(0, pod.prefilling - 1)
+            pod.prefill_tokens = max(0.0, pod.prefill_tokens - self.work) if pod.prefilling else 0.0
+            self._router.metrics.prefill_backlog.labels(pod.name).set(pod.prefill_tokens)
+
+
+def candidate(router: Router, pod: PodState, routing: Routing, affinity: dict) -> Candidate:
+    """``pod`` as the strategy sees it for the routed request."""
+    return Candidate(
+        pod.name,
+        pod.load(),
+        pod.kv_usage,
         routing.matched.get(pod.name, 0),
+        routing.total_blocks.get(pod.name, 0),
+        router.index.pod_block_count(pod.name),
         routing.store.get(pod.name, 0),
+        affinity.get(pod.name, 0),
+        routing.prompt_tokens,
+        routing.block_size.get(pod.name, 0),
+        pod.prefill_tokens,
+        max(0, pod.inflight - pod.prefilling),
+    )
+
+
+def work_on(router: Router, pod: str, routing: Routing) -> float:
+    """The prompt tokens ``pod`` must compute for the routed request (store loads at the
+    strategy's ``store_cost``)."""
+    return uncached_tokens(
+        routing.prompt_tokens,
+        routing.block_size.get(pod, 0),
+        routing.matched.get(pod, 0),
+        routing.store.get(pod, 0),
         getattr(router.strategy, "store_cost", DEFAULT_STORE_COST),
     )
-    pod.prefilling += 1
-    pod.prefill_tokens += work
-    router.metrics.prefill_backlog.labels(pod.name).set(pod.prefill_tokens)
-    return work
-
-
-def end_prefill(router: Router, pod: PodState, work: float) -> None:
-    """The request's first byte came back from ``pod`` (or the attempt ended without)."""
-    pod.prefilling = max(0, pod.prefilling - 1)
-    pod.prefill_tokens = max(0.0, pod.prefill_tokens - work) if pod.prefilling else 0.0
-    router.metrics.prefill_backlog.labels(pod.name).set(pod.prefill_tokens)
 
 
 def record_decision(router: Router, routing: Routing, pod: str, attempt: int) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import JSONResponse
 
-from epdserve.router.decisions import end_prefill, start_prefill
+from epdserve.router.decisions import Charge
 from epdserve.router.pods import PodState
 from epdserve.router.service import Router, Routing
 
@@ -178,7 +178,8 @@ async def open_upstream(
             busy_wait, moved_on = _count_busy(router, pod, busy, busy_wait), busy.cause
             continue
         router.track_inflight(pod, +1)
-        work = start_prefill(router, pod, routing)
+        charge = routing.charge or Charge(router)
+        charge.move_to(pod, routing)
         try:
             upstream = await _try_pod(client, pod, method, path, content, headers)
         except PodBusy as busy:
@@ -208,7 +209,7 @@ async def open_upstream(
             router.track_inflight(pod, -1)
             raise
         finally:
-            end_prefill(router, pod, work)
+            charge.release()
         pod.mark_ok()  # it answered, whatever the status: the pod is up
         router.record(routing, pod.name, attempt)
         return upstream

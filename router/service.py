@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import zmq
 
-from epdserve.router.decisions import record_decision
+from epdserve.router.decisions import Charge, candidate, record_decision
 from epdserve.router.index import PrefixIndex
 from epdserve.router.keys import request_keys
 from epdserve.router.lora import AdapterLoads, AdapterPolicy
@@ -18,7 +19,7 @@ from epdserve.router.pending import PendingPrefixes
 from epdserve.router.pods import PodEndpoint, PodState
 from epdserve.router.processed import has_images, image_affinity, is_chat, routing_ids
 from epdserve.router.seedcheck import RootHashCheck
-from epdserve.router.strategy import Candidate, Decision, Strategy
+from epdserve.router.strategy import Decision, Strategy
 from epdserve.router.subscriber import EventSocketOptions, PodSubscriber
 from epdserve.router.tokenize import PromptTokenizer
 
@@ -37,6 +38,7 @@ class Routing:
     prompt_tokens: int = 0  # the prompt's length as routed (0: not tokenized)
     store: dict[str, int] = field(default_factory=dict)  # pod -> store blocks after its local
     block_size: dict[str, int] = field(default_factory=dict)  # pod -> its block size
+    charge: Charge | None = None  # its work on a pod's backlog (router/decisions.py)
 
 
 class Router:
@@ -73,6 +75,7 @@ class Router:
         self._pods: dict[str, PodState] = {}
         self._subscribers: dict[str, PodSubscriber] = {}
         self._lock = threading.Lock()
+        self.charge_lock = threading.RLock()  # pods' prefill backlogs (router/decisions.py)
         self._inflight_pods: set[str] = set()
         self._evicted_seen = 0
         self._zmq = zmq.Context()
@@ -211,26 +214,17 @@ class Router:
         store = {n: loadable[n] - matched.get(n, 0) for n in loadable}
         sizes = {p.name: self.index.block_size(p.name) or self.default_block_size for p in pods}
         affinity = image_affinity(body, [p.name for p in pods]) if self.strategy.uses_images else {}
-        candidates = [
-            Candidate(
-                p.name,
-                p.load(),
-                p.kv_usage,
-                matched.get(p.name, 0),
-                totals.get(p.name, 0),
-                self.index.pod_block_count(p.name),
-                store.get(p.name, 0),
-                affinity.get(p.name, 0),
-                len(ids or ()),
-                sizes[p.name],
-                p.prefill_tokens,
-                max(0, p.inflight - p.prefilling),
+        charge = Charge(self)
+        routing = Routing([], matched, totals, keys, lora, len(ids or ()), store, sizes, charge)
+        with self.charge_lock:  # rank and charge as one: a burst sees each other's work
+            routing.order.extend(
+                self.strategy.rank([candidate(self, p, routing, affinity) for p in pods])
             )
-            for p in pods
-        ]
-        order = self.strategy.rank(candidates)
+            if routing.order and self.strategy.uses_prefix:
+                charge.move_to(self._pods.get(routing.order[0].pod), routing)
+                weakref.finalize(routing, charge.release)
         self.metrics.decision_latency.observe(time.perf_counter() - start)
-        return Routing(order, matched, totals, keys, lora, len(ids or ()), store, sizes)
+        return routing
 
     def _lora(self, body: dict) -> str | None:
         """The adapter ``body`` names: any model but the served one, or without a served

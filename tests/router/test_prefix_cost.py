@@ -3,10 +3,12 @@ router's own backlog count; and the per-decision metrics every strategy records.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
 
 from epdserve.connectors.kv_events import STORE_MEDIUM, BlockStored, EventBatch
-from epdserve.router.decisions import end_prefill, start_prefill
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.pods import PodEndpoint
 from epdserve.router.service import Router
@@ -76,21 +78,34 @@ def stored(hashes, tokens, medium="GPU"):
 BODY = {"processed_prompt": {"prompt_token_ids": PROMPT}}
 
 
-def test_the_backlog_follows_requests_from_send_to_first_byte():
+def test_routing_charges_the_first_pod_so_a_burst_spreads_and_release_drains_it():
     router = router_with(["a", "b"])
     router.index.apply("a", EventBatch(0.0, [stored([1, 2, 3, 4], PROMPT[:16])], 0))
-    routing = router.route("/v1/completions", BODY)
-    assert routing.order[0].pod == "a" and routing.prompt_tokens == len(PROMPT)
     a, b = router.pod("a"), router.pod("b")
-    works = [start_prefill(router, a, routing) for _ in range(17)]  # 17 hits of 1 token queued
-    assert works[0] == 1 and a.prefill_tokens == 17 and a.prefilling == 17
-    assert router.route("/v1/completions", BODY).order[0].pod == "b"  # a recompute is cheaper
-    for work in works:
-        end_prefill(router, a, work)
-    assert (a.prefilling, a.prefill_tokens, b.prefill_tokens) == (0, 0.0, 0.0)
-    assert router.route("/v1/completions", BODY).order[0].pod == "a"
+    burst = [router.route("/v1/completions", BODY) for _ in range(17)]  # 1 token each on a
+    assert [r.order[0].pod for r in burst] == ["a"] * 17
+    assert (a.prefilling, a.prefill_tokens) == (17, 17)
+    spilled = router.route("/v1/completions", BODY)  # 17 queued on a: a recompute is as cheap
+    assert spilled.order[0].pod == "b" and b.prefill_tokens == len(PROMPT)
+    spilled.charge.move_to(a, spilled)  # the attempt went to a after all: a pays 1 token
+    assert (b.prefilling, b.prefill_tokens, a.prefill_tokens) == (0, 0, 18)
+    for routing in [*burst, spilled]:
+        routing.charge.release()
+        routing.charge.release()  # idempotent
+    assert (a.prefilling, a.prefill_tokens) == (0, 0.0)
+    last = router.route("/v1/completions", BODY)
+    assert last.order[0].pod == "a"
     text = router.metrics.render().decode()
-    assert 'epdserve_router:prefill_backlog_tokens{pod="a"} 0.0' in text
+    assert 'epdserve_router:prefill_backlog_tokens{pod="a"} 1.0' in text
+
+
+def test_a_dropped_routing_releases_its_charge():
+    import gc
+
+    router = router_with(["a"])
+    router.route("/v1/completions", BODY)  # never sent anywhere
+    gc.collect()
+    assert (router.pod("a").prefilling, router.pod("a").prefill_tokens) == (0, 0.0)
 
 
 def metric(router, name, **labels):
@@ -129,3 +144,37 @@ def test_prefix_load_spill_counts_as_balance():
     assert routing.order[0] == routing.order[0].__class__("b", "load_balance")
     router.record(routing, "b", 0)
     assert metric(router, "epdserve_router:spread_decisions_total", reason="balance") == 1
+
+
+@pytest.fixture
+def model_dir(models):
+    return models.get("llama")
+
+
+def test_the_real_router_spreads_a_hot_prefix_and_its_backlog_drains(spawn, model_dir):
+    """Through ``epdserve router --strategy prefix+cost`` and two stand-in pods that take
+    0.05 s per uncached block: twelve concurrent requests with one long shared prefix (~400
+    tokens) and long private tails (~100) do not all queue on the pod that holds the prefix
+    (four tails there cost as much as the whole prompt elsewhere), every decision is counted, and once they finish the
+    router's backlog of each pod is back to zero."""
+    pods = [spawn.standin(model_dir, prefill_s_per_block=0.05) for _ in range(2)]
+    router = spawn.router(pods, "--strategy", "prefix+cost", "--model", str(model_dir))
+    prefix = " ".join(["alpha beta gamma delta"] * 40)
+    body = {"model": "tiny", "prompt": prefix + " warm", "max_tokens": 2}
+    assert httpx.post(router.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    warmed = {p.url: spawn.metric(p.url, "vllm:prefix_cache_queries_total") for p in pods}
+    assert sorted(warmed.values())[0] == 0  # one pod holds the prefix
+
+    def one(i: int) -> int:
+        tail = " ".join(["kernel tensor block cache"] * 12)  # ~100 tokens to compute anywhere
+        body = {"model": "tiny", "prompt": f"{prefix} {i} {tail}", "max_tokens": 2}
+        return httpx.post(router.url + "/v1/completions", json=body, timeout=60).status_code
+
+    with ThreadPoolExecutor(12) as pool:
+        assert list(pool.map(one, range(12))) == [200] * 12
+    served = {p.url: spawn.metric(p.url, "vllm:prefix_cache_queries_total") for p in pods}
+    assert all(served[u] > warmed[u] for u in served)  # the hot prefix went to both pods
+    name = "epdserve_router:decision_best_prefix_total"
+    assert spawn.metric(router.url, name) == 13
+    assert spawn.metric(router.url, "epdserve_router:spread_decisions_total", {"reason": "cost"})
+    assert spawn.metric(router.url, "epdserve_router:prefill_backlog_tokens") == 0
