@@ -172,7 +172,11 @@ async def open_loop(url: str, work: list[tuple[int, str]], rate: float) -> dict:
         await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
         results.append((tenant, await one(session, url, prompt)))
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+    # a fresh connection per request: a kept-alive one the server closes when idle can be
+    # reset under the next request (uvicorn keep-alive 5 s), and arrivals here are sparse
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
         await asyncio.gather(
             *(send(session, w, t, p, t0) for w, (t, p) in zip(gaps, work, strict=True))
