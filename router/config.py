@@ -154,6 +154,9 @@ class RouterConfig:
     tenant_priority: bool = setting(
         False, "set a tenant's configured priority as the request's priority field"
     )
+    tenant_admission_header: bool = setting(
+        False, "answer x-epdserve-admission: the request's admission ordinal (for tests, debugging)"
+    )
     log_level: str = setting(
         "info",
         "log level; per-request and per-scrape lines only at debug",
@@ -233,6 +236,7 @@ class RouterConfig:
             self.tenant_queue_size,
             self.tenant_queue_timeout,
             self.tenant_priority,
+            self.tenant_admission_header,
         )
         return Tenancy(identity, gate)
 

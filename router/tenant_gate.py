@@ -23,7 +23,7 @@ from epdserve.router.tenants import DEFAULT, Identity, Tenant, TenantFile, Tenan
 log = logging.getLogger(__name__)
 
 GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-ADMISSION_HEADER = b"x-epdserve-admission"  # the request's admission ordinal (fair queue on)
+ADMISSION_HEADER = b"x-epdserve-admission"  # the admission ordinal (--tenant-admission-header)
 RETRY_AFTER = "1"
 
 
@@ -42,6 +42,7 @@ class GateSettings:
     max_waiting: int = 256
     timeout: float = 30.0
     set_priority: bool = False
+    admission_header: bool = False  # answer x-epdserve-admission (others' volume shows in it)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def add_gate(app, tenancy: Tenancy, registry, pods: Callable[[], int]) -> FairQu
         metrics=metrics,
         labels=labels,
         set_priority=settings.set_priority,
+        admission_header=settings.admission_header,
     )
     return queue
 
@@ -94,9 +96,10 @@ class TenantGate:
         metrics: TenantQueueMetrics,
         labels: TenantLabels,
         set_priority: bool = False,
+        admission_header: bool = False,
     ) -> None:
         self.app, self.queue, self.metrics, self.labels = app, queue, metrics, labels
-        self.set_priority = set_priority
+        self.set_priority, self.admission_header = set_priority, admission_header
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] not in GATED_PATHS:
@@ -122,7 +125,8 @@ class TenantGate:
         self.metrics.admitted.labels(label).inc()
         self.metrics.active.set(self.queue.active)
         try:
-            await self.app(scope, _replay(first, watch, receive), _tagged(send, seq))
+            tagged = _tagged(send, seq) if self.admission_header else send
+            await self.app(scope, _replay(first, watch, receive), tagged)
         finally:
             self.queue.release(tenant.name)
             self.metrics.active.set(self.queue.active)

@@ -56,7 +56,14 @@ def complete(url: str, key: str, max_tokens: int = 24) -> tuple[int, int]:
 def real_router(module_spawn, models, keys_file):
     pod = module_spawn.serve(models.get("llama"), "--max-num-seqs", "2")
     module_spawn.wait_ready(pod)
-    router = module_spawn.router([pod], "--tenant-keys", keys_file, "--max-inflight-per-pod", "2")
+    router = module_spawn.router(
+        [pod],
+        "--tenant-keys",
+        keys_file,
+        "--max-inflight-per-pod",
+        "2",
+        "--tenant-admission-header",
+    )
     wait_ready(router.url)
     return router
 

@@ -28,7 +28,8 @@ ROUTER_DEFAULTS = {
     "lora_modules": [], "dynamic_lora": False, "lora_spread_load": 4.0,
     "lora_models_interval": 5.0, "tenant_keys": None, "tenant_header": None,
     "max_inflight_per_pod": 0, "tenant_reserve_per_pod": 0, "tenant_queue_size": 256,
-    "tenant_queue_timeout": 30.0, "tenant_priority": False, "api_key": None,
+    "tenant_queue_timeout": 30.0, "tenant_priority": False, "tenant_admission_header": False,
+    "api_key": None,
     "log_level": "info", "log_format": "text", "access_log": False,
 }  # fmt: skip
 POD = ["--endpoint", "http://127.0.0.1:1"]

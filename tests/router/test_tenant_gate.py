@@ -49,7 +49,8 @@ def post(app: FastAPI, headers: dict, body: dict | None = None) -> httpx.Respons
 
 
 def test_a_tenant_key_becomes_the_shared_key_upstream_and_sets_its_priority():
-    app = echo_app(Identity(TABLE, api_key=b"shared"), GateSettings(2, set_priority=True))
+    settings = GateSettings(2, set_priority=True, admission_header=True)
+    app = echo_app(Identity(TABLE, api_key=b"shared"), settings)
     r = post(app, {"Authorization": "Bearer sk-gold"}, {"prompt": "x", "priority": 9})
     assert r.json() == {
         "tenant": "gold",
@@ -66,10 +67,11 @@ def test_without_a_shared_key_the_tenant_key_is_not_forwarded():
     assert "x-epdserve-admission" not in r.headers  # no queue: no ordinal
 
 
-def test_priority_is_left_alone_unless_asked():
+def test_priority_and_the_admission_header_are_left_alone_unless_asked():
     app = echo_app(Identity(TABLE), GateSettings(1))
     r = post(app, {"Authorization": "Bearer sk-gold"}, {"priority": 3})
     assert r.json()["body"] == {"priority": 3}
+    assert "x-epdserve-admission" not in r.headers
 
 
 def test_the_trusted_header_names_the_tenant_and_a_bad_one_is_a_400():
