@@ -1,6 +1,11 @@
 """Speculative prefix entries: blocks a pod is about to cache because we just sent it
 a request. They bridge the gap until the pod's BlockStored events arrive, so a burst of
-requests sharing a new prefix lands on one pod instead of being spread by load."""
+requests sharing a new prefix lands on one pod instead of being spread by load.
+
+The proxy adds them when it sends a request (not when the answer comes: a pod's answer, or a
+stream's first token, comes after the prefill, which is the very gap to bridge), withdraws
+them from a pod that refuses it, and adds them again at the answer, so ``ttl`` runs from there.
+"""
 
 from __future__ import annotations
 
@@ -55,6 +60,16 @@ class PendingPrefixes:
                 for pod in active:
                     result[pod] = depth
         return result
+
+    def discard(self, pod: str, keys: Sequence[int]) -> None:
+        """Withdraw ``pod``'s expectation of ``keys`` (it refused the request)."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    entry.pop(pod, None)
+                    if not entry:
+                        del self._entries[key]
 
     def remove_pod(self, pod: str) -> None:
         """Forget every expectation about ``pod``."""

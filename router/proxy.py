@@ -180,14 +180,18 @@ async def open_upstream(
         router.track_inflight(pod, +1)
         charge = routing.charge or Charge(router)
         charge.move_to(pod, routing)
+        expected = routing.keys.get(pod.name, [])
+        router.pending.add(pod.name, expected)  # cached there from now on (router/pending.py)
         try:
             upstream = await _try_pod(client, pod, method, path, content, headers)
         except PodBusy as busy:
             router.track_inflight(pod, -1)
+            router.pending.discard(pod.name, expected)
             busy_wait, moved_on = _count_busy(router, pod, busy, busy_wait), busy.cause
             continue
         except PodFailure as failure:
             router.track_inflight(pod, -1)
+            router.pending.discard(pod.name, expected)
             _count_pod_failure(router, pod, failure, failure_backoff)
             failures, moved_on = failures + 1, failure.cause
             continue
