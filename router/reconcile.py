@@ -137,7 +137,10 @@ class Reconciler:
             return "restart"
         self.instance = answer.instance
         if sub.next_seq < answer.next_seq:  # batches on their way: fetch exactly those
+            resyncs = sub.resyncs
             sub.catch_up(sub.next_seq, stop=answer.next_seq)
+            if sub.resyncs != resyncs:
+                return "restart"
         if sub.next_seq < answer.next_seq:
             return "behind"
         if sub.next_seq > answer.next_seq:  # applied batches the pod never sent
@@ -184,15 +187,8 @@ class Reconciler:
 
     def _probe_tail(self) -> str:
         sub = self.sub
-        if sub.last_seq is None:
-            return "empty"
-        outcome, same = sub.probe(sub.last_seq)
-        if outcome != "ok":
-            return outcome
-        if not same:
-            sub.resync("restart")
-            return "restart"
-        return "ok"
+        outcome = sub.poll_tail()  # with nothing applied yet: all the pod holds
+        return "restart" if outcome == "restarted" else outcome
 
 
 def log_resync(metrics: RouterMetrics, pod: str, reason: str, detail: str) -> None:

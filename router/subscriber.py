@@ -64,7 +64,7 @@ class PodSubscriber:
         # the pod's blocks by the batches applied (None: unknown, after lost batches)
         self.digest: StreamDigest | None = StreamDigest()
         self._check = Reconciler(self, reconcile_interval)
-        self._first_replayed: tuple[int, int] | None = None
+        self.resyncs = 0
         healing_metrics(metrics).watch(index)
         self.duplicates = 0
         self.batches_applied = 0
@@ -175,6 +175,7 @@ class PodSubscriber:
     def resync(self, reason: str, until: int | None = None, detail: str = "") -> None:
         """Drop the pod's entries and rebuild them by a replay from seq 0."""
         log_resync(self.metrics, self.pod, reason, detail or "replaying from seq 0")
+        self.resyncs += 1
         self._index.clear_pod(self.pod)
         self._recent.clear()
         self.last_seq, self.digest = None, StreamDigest()
@@ -215,11 +216,10 @@ class PodSubscriber:
         """Apply the pod's batches ``start <= seq < stop`` by replay (the periodic check)."""
         self._catch_up(start, until=stop - 1, stop=stop)
 
-    def probe(self, seq: int) -> tuple[str | None, bool]:
-        """Replay from ``seq`` (applied already): the outcome, and whether the pod still
-        holds that batch unchanged (else it is another process)."""
-        outcome = self._replay(seq)
-        return outcome, self._first_replayed == (seq, self._recent.get(seq))
+    def poll_tail(self) -> str | None:
+        """Replay what follows the last applied batch (the check of a pod without a
+        digest): a pod that no longer holds that batch unchanged is another process."""
+        return self._replay(self.next_seq)
 
     def _catch_up(self, start: int, until: int | None = None, stop: int | None = None) -> None:
         """Replay from ``start`` until an answer brings nothing new or ``until`` is reached
@@ -234,25 +234,30 @@ class PodSubscriber:
 
     def _replay(self, start: int, stop: int | None = None) -> str | None:
         """Ask the replay socket for the batches from ``start`` on and apply those before
-        ``stop``."""
+        ``stop``. Right after the last applied batch, the answer starts with that batch: a
+        pod that lacks it or holds another restarted (resync; outcome ``restarted``)."""
         if not self.replay_endpoint:
             return None
+        anchor = None
+        if self.last_seq is not None and start == self.last_seq + 1:
+            anchor, start = (self.last_seq, self._recent.get(self.last_seq)), self.last_seq
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         self.options.apply(dealer)
         try:
             dealer.connect(self.replay_endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")], flags=zmq.NOBLOCK)
-            outcome = self._read_replay(dealer, stop)
+            outcome = self._read_replay(dealer, stop, anchor)
         except zmq.ZMQError:
             outcome = "error"
         finally:
             dealer.close()
         self.metrics.replays.labels(self.pod, outcome).inc()
+        if outcome == "restarted":
+            self.resync("restart", detail=f"its replay no longer holds seq {start} as applied")
         return outcome
 
-    def _read_replay(self, dealer: zmq.Socket, stop: int | None) -> str:
-        self._first_replayed = None  # (seq, hash(payload)) of the answer's first batch
+    def _read_replay(self, dealer: zmq.Socket, stop: int | None, anchor) -> str:
         while not self._stop.is_set():
             if not dealer.poll(self.replay_timeout_ms):
                 return "timeout"
@@ -262,12 +267,14 @@ class PodSubscriber:
                 continue
             seq = int.from_bytes(frames[2], "big", signed=True)
             if seq == -1:
-                return "ok"
+                return "ok" if anchor is None else "restarted"  # not even its last batch
             if seq < 0:
                 self.metrics.events_invalid.labels(self.pod).inc()
                 continue
-            if self._first_replayed is None:
-                self._first_replayed = (seq, hash(frames[3]))
+            if anchor is not None:  # the first batch: the last one applied, unchanged?
+                if seq == anchor[0] and hash(frames[3]) != anchor[1]:
+                    return "restarted"
+                anchor = None  # the same batch (or the pod dropped it long ago: go on)
             if (self.last_seq is None or seq > self.last_seq) and (stop is None or seq < stop):
                 self._accept(seq, frames[3])
         return "stopped"
