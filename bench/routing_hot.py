@@ -6,7 +6,10 @@ first time can load the tenant's prefix from the store instead of recomputing it
 runs each strategy in turn from cold pods and an empty store: ``round-robin``, ``prefix`` (pure
 prefix affinity: the longest cached prefix wins, load only breaks ties), ``prefix+load`` and
 ``prefix+cost``. Each pod's KV cache holds ``--kv-blocks`` blocks, so no pod holds every
-tenant's prefix.
+tenant's prefix. ``--pods-kind standin`` runs the test stand-in pods instead (tests/router/
+standin_pod.py: a simulated prefix cache that sleeps 0.02 s per uncached block, one prompt at a
+time, and no store): pods that behave like separate devices rather than processes sharing
+this machine's two cores.
 
 Load is open-loop (Poisson arrivals, the same seeded schedule for every strategy) at
 ``--load`` times the capacity a calibration run measured (a closed loop through
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -33,7 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
-from router_quality import WORDS, free_port, percentile, wait_up
+from router_quality import ROOT, WORDS, free_port, percentile, wait_up
 
 from epdserve.common import metrics_text
 
@@ -63,13 +67,9 @@ def start_pool(
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     procs: list[subprocess.Popen] = []
     redis_port = free_port()
-    procs.append(
-        subprocess.Popen(
-            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    )
+    redis = ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"]
+    if args.pods_kind == "serve" and not args.no_store:
+        procs.append(subprocess.Popen(redis, stdout=subprocess.DEVNULL))
     transfer = {
         "kv_connector": "RedisConnector",
         "kv_role": "kv_both",
@@ -88,18 +88,25 @@ def start_pool(
             "endpoint": f"tcp://*:{events}",
             "replay_endpoint": f"tcp://*:{replay}",
         }
-        cmd = [sys.executable, "-m", "epdserve.engine.cli", "serve", str(model)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
-        cmd += ["--block-size", str(BS), "--max-model-len", "1024", "--dtype", args.dtype]
-        cmd += ["--kv-events-config", json.dumps(config)]
-        cmd += ["--kv-cache-memory", str(args.kv_blocks * block_bytes)]
-        if not args.no_store:
-            cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        if args.pods_kind == "standin":  # a device-like pod: one prefill at a time, sleeping
+            cmd = [sys.executable, str(ROOT / "tests/router/standin_pod.py"), "--model", str(model)]
+            cmd += ["--port", str(port), "--events-port", str(events)]
+            cmd += ["--replay-port", str(replay), "--block-size", str(BS)]
+            cmd += ["--num-blocks", str(args.kv_blocks), "--prefill-s-per-block", "0.02"]
+        else:
+            cmd = [sys.executable, "-m", "epdserve.engine.cli", "serve", str(model)]
+            cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
+            cmd += ["--block-size", str(BS), "--max-model-len", "1024", "--dtype", args.dtype]
+            cmd += ["--kv-events-config", json.dumps(config)]
+            cmd += ["--kv-cache-memory", str(args.kv_blocks * block_bytes)]
+            cmd += [] if args.no_store else ["--kv-transfer-config", json.dumps(transfer)]
         log = open(logs / f"{tag or strategy}-pod{i}.log", "w")  # noqa: SIM115
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         pods.append(f"http://127.0.0.1:{port},events={events},replay={replay}")
     for spec in pods:
-        wait_up(spec.split(",")[0] + "/ready", procs)
+        wait_up(
+            spec.split(",")[0] + ("/health" if args.pods_kind == "standin" else "/ready"), procs
+        )
     port = free_port()
     cmd = [sys.executable, "-m", "epdserve.engine.cli", "router", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--model", str(model), "--served-model-name", "tiny"]
@@ -118,10 +125,9 @@ def stop(procs: list[subprocess.Popen]) -> None:
     for proc in reversed(procs):
         proc.terminate()
     for proc in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.kill()
 
 
 async def one(session, url: str, prompt: str) -> float:
@@ -222,9 +228,10 @@ def run_strategy(args, model: Path, logs: Path, strategy: str, work, rate: float
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     result["prefix_hit_rate"] = round(delta.pop("hits") / max(1.0, delta.pop("queries")), 4)
     tokens = {k.split(":", 1)[1]: v for k, v in delta.items() if k.startswith("tokens:")}
-    result["prompt_tokens_share"] = {
-        k: round(v / max(1.0, sum(tokens.values())), 4) for k, v in tokens.items()
-    }
+    if sum(tokens.values()):  # stand-in pods do not count tokens by source
+        result["prompt_tokens_share"] = {
+            k: round(v / sum(tokens.values()), 4) for k, v in tokens.items()
+        }
     result["decisions"] = {
         k.split(":", 1)[1]: int(v) for k, v in delta.items() if v and k.startswith("reason:")
     }
@@ -241,6 +248,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.0, help="requests/s (skips calibration)")
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--pods-kind", choices=("serve", "standin"), default="serve")
     p.add_argument("--kv-blocks", type=int, default=96, help="KV blocks per pod (of 32 tokens)")
     p.add_argument("--no-store", action="store_true", help="pods without the shared store")
     p.add_argument("--strategies", default="round-robin,prefix,prefix+load,prefix+cost")
@@ -254,7 +262,8 @@ def main() -> None:
     work = workload(args)
     out: dict = {"pods": args.pods, "tenants": args.tenants, "zipf": args.zipf}
     out.update(requests=args.requests, preset=args.preset, block_size=BS)
-    out.update(kv_blocks_per_pod=args.kv_blocks, shared_store=not args.no_store)
+    out.update(kv_blocks_per_pod=args.kv_blocks, pods_kind=args.pods_kind)
+    out.update(shared_store=not args.no_store and args.pods_kind == "serve")
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(args.logs or tmp)
         logs.mkdir(parents=True, exist_ok=True)
