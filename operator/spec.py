@@ -35,7 +35,7 @@ KIND = "InferencePool"
 ROLES = ("colocated", "encoder", "prefill", "decode")
 # role -> value of `epdserve serve --role`
 SERVE_ROLE = {"colocated": "both", "encoder": "encoder", "prefill": "prefill", "decode": "decode"}
-STRATEGIES = ("round-robin", "least-load", "prefix", "prefix+load")
+STRATEGIES = ("round-robin", "least-load", "prefix", "prefix+load", "prefix+cost")
 
 
 @dataclass(frozen=True)
