@@ -224,22 +224,23 @@ class PodSubscriber:
     def _catch_up(self, start: int, until: int | None = None, stop: int | None = None) -> None:
         """Replay from ``start`` until an answer brings nothing new or ``until`` is reached
         (a pod caps each answer, so one request may not bring everything)."""
-        for _ in range(MAX_REPLAY_ROUNDS):
+        for rounds in range(MAX_REPLAY_ROUNDS):
             before = self.last_seq
-            if self._replay(start, stop) != "ok" or self.last_seq == before or self._stop.is_set():
+            outcome = self._replay(start, stop, anchored=rounds == 0)  # later: a checked run
+            if outcome != "ok" or self.last_seq == before or self._stop.is_set():
                 return
             if until is not None and self.last_seq >= until:
                 return
             start = self.last_seq + 1
 
-    def _replay(self, start: int, stop: int | None = None) -> str | None:
+    def _replay(self, start: int, stop: int | None = None, anchored: bool = True) -> str | None:
         """Ask the replay socket for the batches from ``start`` on and apply those before
         ``stop``. Right after the last applied batch, the answer starts with that batch: a
         pod that lacks it or holds another restarted (resync; outcome ``restarted``)."""
         if not self.replay_endpoint:
             return None
         anchor = None
-        if self.last_seq is not None and start == self.last_seq + 1:
+        if anchored and self.last_seq is not None and start == self.last_seq + 1:
             anchor, start = (self.last_seq, self._recent.get(self.last_seq)), self.last_seq
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
