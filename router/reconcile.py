@@ -132,7 +132,7 @@ class Reconciler:
             return answer
         sub = self.sub
         if self.instance is not None and answer.instance != self.instance:
-            sub.resync("restart")
+            sub.resync("restart", detail="its publisher's instance id changed; replaying")
             self.instance = answer.instance
             return "restart"
         self.instance = answer.instance
@@ -144,7 +144,7 @@ class Reconciler:
         if sub.next_seq < answer.next_seq:
             return "behind"
         if sub.next_seq > answer.next_seq:  # applied batches the pod never sent
-            sub.resync("digest_mismatch")
+            sub.resync("digest_mismatch", detail=f"applied up to {sub.next_seq - 1}, sent fewer")
             return "mismatch"
         if sub.digest is None:  # unknown since lost batches: from now on, the pod's
             sub.digest = StreamDigest(answer.tiers())
@@ -156,7 +156,8 @@ class Reconciler:
                 sub.digest = StreamDigest(answer.tiers())
                 return "mismatch_again"
             self._mismatched = True
-            sub.resync("digest_mismatch")
+            detail = f"blocks {sub.digest.state()} here, {answer.tiers()} on the pod; replaying"
+            sub.resync("digest_mismatch", detail=detail)
             return "mismatch"
         self._mismatched = False
         return "ok"
