@@ -166,7 +166,7 @@ def test_a_router_joining_after_the_buffer_wrapped_adopts_the_pods_digest(follow
     try:
         for h in (11, 12, 13, 14):
             pod.pub.publish([root_block(h)])
-        time.sleep(0.2)  # the publisher thread sends them
+        wait_for(lambda: pod.pub.stats.batches_published == 4)
         index, metrics = PrefixIndex(), RouterMetrics()
         sub = follow(pod.endpoints(), index, metrics)
         wait_for(lambda: sample(metrics, "index_checks_total", pod="p", outcome="adopted") == 1)
