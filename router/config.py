@@ -68,6 +68,11 @@ class RouterConfig:
     decode_cost: float = setting(
         2.0, "prefix+cost: a request the pod is decoding, in prompt tokens of prefill"
     )
+    recompute_cost: float = setting(
+        0.5,
+        "prefix+cost: extra cost of each prompt token a pod must compute, for the wait it "
+        "adds behind it (0: the request's own wait alone)",
+    )
     speculative_ttl: float = setting(
         2.0, "s a routed prompt counts as cached on its pod before its events arrive (0: off)"
     )
@@ -243,7 +248,8 @@ class RouterConfig:
     def strategy_weights(self) -> dict[str, float]:
         """The keyword arguments of ``make_strategy(self.strategy)``."""
         if self.strategy == "prefix+cost":
-            return {"store_cost": self.store_cost, "decode_cost": self.decode_cost}
+            costs = (self.store_cost, self.decode_cost, self.recompute_cost)
+            return dict(zip(("store_cost", "decode_cost", "recompute_cost"), costs, strict=True))
         if self.strategy != "prefix+load":
             return {}
         return {

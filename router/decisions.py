@@ -44,6 +44,8 @@ class Charge:
         with self._router.charge_lock:
             if pod is self.pod:
                 return
+            if self.pod is not None and pod is not None:  # it will not compute there after all
+                self._router.pending.discard(self.pod.name, routing.keys.get(self.pod.name, []))
             self._release()
             if pod is not None:
                 self.pod, self.work = pod, work_on(self._router, pod.name, routing)

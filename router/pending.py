@@ -2,9 +2,11 @@
 a request. They bridge the gap until the pod's BlockStored events arrive, so a burst of
 requests sharing a new prefix lands on one pod instead of being spread by load.
 
-The proxy adds them when it sends a request (not when the answer comes: a pod's answer, or a
-stream's first token, comes after the prefill, which is the very gap to bridge), withdraws
-them from a pod that refuses it, and adds them again at the answer, so ``ttl`` runs from there.
+The router adds them for the first-ranked pod as it ranks (under the same lock, so requests
+routed at the same instant see each other), the proxy when it sends a request (not when the
+answer comes: a pod's answer, or a stream's first token, comes after the prefill, which is the
+very gap to bridge); the proxy withdraws them from a pod that refuses it, and adds them again at
+the answer, so ``ttl`` runs from there.
 """
 
 from __future__ import annotations

@@ -221,8 +221,10 @@ class Router:
                 self.strategy.rank([candidate(self, p, routing, affinity) for p in pods])
             )
             if routing.order and self.strategy.uses_prefix:
-                charge.move_to(self._pods.get(routing.order[0].pod), routing)
+                first = routing.order[0].pod
+                charge.move_to(self._pods.get(first), routing)
                 weakref.finalize(routing, charge.release)
+                self.pending.add(first, keys.get(first, []))  # a burst sees it (pending.py)
         self.metrics.decision_latency.observe(time.perf_counter() - start)
         return routing
 

@@ -211,18 +211,24 @@ class PrefixCost(Strategy):
     name = "prefix+cost"
     uses_prefix = True
 
-    def __init__(self, store_cost: float = 0.1, decode_cost: float = 2.0) -> None:
+    def __init__(
+        self, store_cost: float = 0.1, decode_cost: float = 2.0, recompute_cost: float = 0.5
+    ) -> None:
         if not 0 <= store_cost <= 1:
             raise ValueError("--store-cost must be between 0 and 1")
-        if decode_cost < 0:
-            raise ValueError("--decode-cost must be >= 0")
+        for flag, value in (("--decode-cost", decode_cost), ("--recompute-cost", recompute_cost)):
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0")
         self.store_cost, self.decode_cost = store_cost, decode_cost
+        self.recompute_cost = recompute_cost
         self._tiebreak = _Tiebreak()
 
     def cost(self, c: Candidate) -> float:
-        """Lower is better."""
+        """Lower is better. The request's own work counts ``1 + recompute_cost`` times: once
+        for its wait, and again for the wait it adds for the requests behind it there."""
         work = c.uncached_tokens(self.store_cost) if c.prompt_tokens else 0.0
-        return c.prefill_backlog + work + self.decode_cost * c.decoding
+        own = (1.0 + self.recompute_cost) * work
+        return c.prefill_backlog + own + self.decode_cost * c.decoding
 
     def rank(self, candidates: list[Candidate]) -> list[Decision]:
         if not candidates:

@@ -35,15 +35,19 @@ def test_a_prefix_hit_wins_on_idle_pods():
 
 
 def test_a_hot_pod_keeps_its_prefix_until_its_queue_costs_more_than_a_recompute():
-    strategy = make_strategy("prefix+cost", store_cost=0.1, decode_cost=0.0)
+    strategy = make_strategy("prefix+cost", store_cost=0.1, decode_cost=0.0, recompute_cost=0)
     # the hit costs 1 token; a recompute elsewhere costs 17
     assert strategy.rank([cand("hot", 4, backlog=15), cand("cold")])[0].pod == "hot"
     ranked = strategy.rank([cand("hot", 4, backlog=17), cand("cold")])
     assert [(d.pod, d.reason) for d in ranked] == [("cold", "spread"), ("hot", "spread")]
+    # counting the wait a recompute adds behind it (x2): 17 queued is not yet enough
+    sticky = make_strategy("prefix+cost", decode_cost=0.0, recompute_cost=1.0)
+    assert sticky.rank([cand("hot", 4, backlog=17), cand("cold")])[0].pod == "hot"
+    assert sticky.rank([cand("hot", 4, backlog=33), cand("cold")])[0].pod == "cold"
 
 
 def test_a_store_copy_spreads_a_hot_prefix_sooner():
-    strategy = make_strategy("prefix+cost", store_cost=0.1, decode_cost=0.0)
+    strategy = make_strategy("prefix+cost", store_cost=0.1, decode_cost=0.0, recompute_cost=0)
     store = cand("warm", store=4)  # 16 tokens loaded at 0.1 + 1 computed = 2.6
     assert strategy.rank([cand("hot", 4, backlog=1), store])[0].pod == "hot"
     assert strategy.rank([cand("hot", 4, backlog=2), store])[0].pod == "warm"
@@ -61,6 +65,8 @@ def test_bad_costs_are_refused_naming_the_flag():
         make_strategy("prefix+cost", store_cost=1.5)
     with pytest.raises(ValueError, match="--decode-cost"):
         make_strategy("prefix+cost", decode_cost=-1)
+    with pytest.raises(ValueError, match="--recompute-cost"):
+        make_strategy("prefix+cost", recompute_cost=-0.5)
 
 
 def router_with(names, strategy="prefix+cost"):
@@ -82,13 +88,14 @@ def test_routing_charges_the_first_pod_so_a_burst_spreads_and_release_drains_it(
     router = router_with(["a", "b"])
     router.index.apply("a", EventBatch(0.0, [stored([1, 2, 3, 4], PROMPT[:16])], 0))
     a, b = router.pod("a"), router.pod("b")
-    burst = [router.route("/v1/completions", BODY) for _ in range(17)]  # 1 token each on a
-    assert [r.order[0].pod for r in burst] == ["a"] * 17
-    assert (a.prefilling, a.prefill_tokens) == (17, 17)
-    spilled = router.route("/v1/completions", BODY)  # 17 queued on a: a recompute is as cheap
+    # a hit on a costs 1.5 (1 token and the wait it adds), a recompute on b 1.5 x 17
+    burst = [router.route("/v1/completions", BODY) for _ in range(25)]  # 1 token each on a
+    assert [r.order[0].pod for r in burst] == ["a"] * 25
+    assert (a.prefilling, a.prefill_tokens) == (25, 25)
+    spilled = router.route("/v1/completions", BODY)  # 25 + 1.5 on a against 25.5 on b
     assert spilled.order[0].pod == "b" and b.prefill_tokens == len(PROMPT)
     spilled.charge.move_to(a, spilled)  # the attempt went to a after all: a pays 1 token
-    assert (b.prefilling, b.prefill_tokens, a.prefill_tokens) == (0, 0, 18)
+    assert (b.prefilling, b.prefill_tokens, a.prefill_tokens) == (0, 0, 26)
     for routing in [*burst, spilled]:
         routing.charge.release()
         routing.charge.release()  # idempotent
@@ -178,3 +185,15 @@ def test_the_real_router_spreads_a_hot_prefix_and_its_backlog_drains(spawn, mode
     assert spawn.metric(router.url, name) == 13
     assert spawn.metric(router.url, "epdserve_router:spread_decisions_total", {"reason": "cost"})
     assert spawn.metric(router.url, "epdserve_router:prefill_backlog_tokens") == 0
+
+
+@pytest.mark.parametrize("strategy", ["prefix", "prefix+load", "prefix+cost"])
+def test_requests_of_a_new_prefix_routed_at_once_go_to_one_pod(strategy):
+    """Routed before either is sent (no events, no send yet): the first's pod counts as
+    holding the prefix for the second."""
+    router = router_with(["a", "b", "c"], strategy)
+    long = {"processed_prompt": {"prompt_token_ids": list(range(200, 264)) + [7]}}
+    first = router.route("/v1/completions", long)
+    second = router.route("/v1/completions", long)
+    assert second.order[0].pod == first.order[0].pod
+    assert second.matched[first.order[0].pod] == 16

@@ -19,7 +19,7 @@ ROUTER_DEFAULTS = {
     "kubeconfig": None, "target_port": 8000, "kv_events_port": 5557, "kv_replay_port": 5558,
     "kv_events_curve_dir": None, "kv_events_max_message_bytes": 8 << 20,
     "index_capacity": 1_000_000, "prefix_weight": 2.0, "load_weight": 1.0, "kv_weight": 0.5,
-    "store_weight": 1.0, "balance_threshold": 4.0, "store_cost": 0.1, "decode_cost": 2.0,
+    "store_weight": 1.0, "balance_threshold": 4.0, "store_cost": 0.1, "decode_cost": 2.0, "recompute_cost": 0.5,
     "speculative_ttl": 2.0, "block_size": 16,
     "scrape_interval": 1.0, "connect_timeout": 2.0, "upstream_timeout": 600.0,
     "max_attempts": 3, "failure_backoff": 2.0, "max_body_bytes": 32 << 20,
