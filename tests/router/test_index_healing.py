@@ -105,8 +105,9 @@ def follow(ctx):
         return sub
 
     yield start
-    for sub in started:
-        sub.stop()
+    for sub in started:  # every thread gone before the context is destroyed under it
+        sub.stop(timeout=30)
+        assert not sub._thread.is_alive()
 
 
 def test_a_restarted_pod_that_sent_nothing_yet_is_dropped_by_its_new_instance(our_pod, follow):
@@ -225,8 +226,9 @@ class VllmLikePod:
             if self.router.poll(20):
                 ident, _, start = self.router.recv_multipart()
                 start = int.from_bytes(start, "big")  # unsigned, as vLLM reads it
-                for seq in sorted(s for s in list(self.buffer) if s >= start):
-                    frames = [ident, b"", b"t", seq.to_bytes(8, "big"), self.buffer[seq]]
+                held = dict(self.buffer)  # the test may swap the buffer meanwhile
+                for seq in sorted(s for s in held if s >= start):
+                    frames = [ident, b"", b"t", seq.to_bytes(8, "big"), held[seq]]
                     self.router.send_multipart(frames)
                 self.router.send_multipart([ident, b"", b"", END, b""])
 
@@ -235,7 +237,7 @@ class VllmLikePod:
 
     def close(self):
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(30)
         self.pub.close(0)
         self.router.close(0)
 
