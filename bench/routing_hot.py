@@ -41,7 +41,7 @@ from router_quality import ROOT, WORDS, free_port, percentile, wait_up
 
 from epdserve.common import metrics_text
 
-BS, MAX_TOKENS, PREFIX_WORDS, TAIL_WORDS = 32, 8, 300, 12
+BS, MAX_TOKENS, PREFIX_WORDS = 32, 8, 300
 
 
 def workload(args) -> list[tuple[int, str]]:
@@ -55,7 +55,7 @@ def workload(args) -> list[tuple[int, str]]:
     out = []
     for _ in range(args.requests):
         t = rng.choices(range(args.tenants), weights)[0]
-        tail = " ".join(rng.choice(WORDS) for _ in range(TAIL_WORDS))
+        tail = " ".join(rng.choice(WORDS) for _ in range(args.tail_words))
         out.append((t, prefixes[t] + " " + tail))
     return out
 
@@ -243,6 +243,7 @@ def main() -> None:
     p.add_argument("--pods", type=int, default=4)
     p.add_argument("--tenants", type=int, default=16)
     p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--tail-words", type=int, default=12, help="each request's private words")
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--load", type=float, default=0.9, help="offered rate ÷ measured capacity")
     p.add_argument("--rate", type=float, default=0.0, help="requests/s (skips calibration)")
@@ -261,6 +262,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = workload(args)
     out: dict = {"pods": args.pods, "tenants": args.tenants, "zipf": args.zipf}
+    out["tail_words"] = args.tail_words
     out.update(requests=args.requests, preset=args.preset, block_size=BS)
     out.update(kv_blocks_per_pod=args.kv_blocks, pods_kind=args.pods_kind)
     out.update(shared_store=not args.no_store and args.pods_kind == "serve")
