@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from epdserve.operator import kvevents, lora, meta, source
+from epdserve.operator import kvevents, lora, meta, source, tenancy
 from epdserve.operator.gpu import device_env
 from epdserve.operator.spec import SERVE_ROLE, PoolSpec
 from epdserve.operator.transfer import ec_transfer_config, kv_events_config, kv_transfer_config
@@ -133,6 +133,7 @@ def engine_command(pool: PoolSpec, role: str) -> list[str]:
         "--served-model-name",
         pool.served_name,
         *lora.engine_args(pool.lora, role, model_claim(pool)),
+        *tenancy.engine_args(pool.router.tenancy, list(pool.roles[role].args)),
         *pool.roles[role].args,
     ]
 

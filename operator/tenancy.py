@@ -85,6 +85,14 @@ def router_args(spec: TenancySpec | None) -> list[str]:
     return args
 
 
+def engine_args(spec: TenancySpec | None, role_args: list[str]) -> list[str]:
+    """Tenant priorities need the engines' priority policy (fcfs refuses a non-zero one),
+    unless the role's own args choose a policy."""
+    if spec is None or not spec.priority or "--scheduling-policy" in role_args:
+        return []
+    return ["--scheduling-policy", "priority"]
+
+
 def router_volumes(spec: TenancySpec | None) -> tuple[list[dict], list[dict]]:
     """(volumes, mounts) of the tenants Secret: its one key as `tenants.yaml`, read-only."""
     if spec is None or spec.keys_secret is None:

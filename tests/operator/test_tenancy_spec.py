@@ -85,3 +85,18 @@ def test_the_schema_rejects_a_negative_queue_bound():
     body = pool_body(router={"tenancy": {"maxInflightPerPod": -1}})
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(SCHEMA).validate(body)
+
+
+def test_tenant_priorities_put_the_engines_on_the_priority_policy():
+    from epdserve.operator.engine import engine_command
+
+    def policy(tenancy, args=()):
+        roles = {"colocated": {"replicas": 1, "args": list(args)}}
+        command = engine_command(parse_pool(pool_body(roles=roles, router=tenancy)), "colocated")
+        return [command[i + 1] for i, a in enumerate(command) if a == "--scheduling-policy"]
+
+    assert policy({"tenancy": {**TENANCY, "priority": True}}) == ["priority"]
+    assert policy({"tenancy": TENANCY}) == []
+    assert policy({}) == []
+    own = ["--scheduling-policy", "fcfs"]  # the role's own choice stands, once
+    assert policy({"tenancy": {**TENANCY, "priority": True}}, own) == ["fcfs"]
