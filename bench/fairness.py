@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from router_quality import free_port, wait_up  # noqa: E402
+from router_quality import free_port, stop_all, wait_up  # noqa: E402
 from vs_vllm_env import make_checkpoint  # noqa: E402
 
 from epdserve.common import metrics_text  # noqa: E402
@@ -199,13 +199,7 @@ def main(argv=None) -> dict:
                 results[f"heavy_{name}"] = phase(url, args, heavy=True)
             results["solo_off_again"] = phase(urls["off"], args, heavy=False)
         finally:
-            for proc in reversed(procs):
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_all(procs)
     return report(args, results, list(urls))
 
 

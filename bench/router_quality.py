@@ -138,6 +138,36 @@ def wait_up(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> No
     raise RuntimeError(f"{url} not up in {timeout}s")
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Terminate ``procs`` (last started first); kill any that outlive 15 s."""
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def stream_ttft(session, url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> float:
+    """Seconds to the first streamed chunk of one greedy completion through ``url``."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        first = None
+        async for _ in r.content.iter_any():
+            first = first or time.perf_counter()
+    return (first or time.perf_counter()) - t0
+
+
 async def drive(router_url: str, prompts: list[str], concurrency: int) -> dict:
     """``concurrency`` clients in a closed loop; an aiohttp client (C HTTP parser, as vLLM's
     ``bench serve``) so the load generator takes little of the cores the pods share."""
@@ -147,21 +177,7 @@ async def drive(router_url: str, prompts: list[str], concurrency: int) -> dict:
 
     async def worker(session) -> None:
         while queue:
-            body = {
-                "model": "tiny",
-                "prompt": queue.pop(0),
-                "max_tokens": MAX_TOKENS,
-                "stream": True,
-                "temperature": 0,
-                "ignore_eos": True,
-            }
-            t0 = time.perf_counter()
-            async with session.post(router_url + "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                first = None
-                async for _ in r.content.iter_any():
-                    first = first or time.perf_counter()
-            ttfts.append((first or time.perf_counter()) - t0)
+            ttfts.append(await stream_ttft(session, router_url, queue.pop(0)))
 
     t0 = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=300)
@@ -226,13 +242,7 @@ def run_strategy(
         result["prefix_hit_rate"] = round((hits1 - hits0) / max(1.0, queries1 - queries0), 4)
         return result
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
 
 
 def bench_routing(args) -> dict:

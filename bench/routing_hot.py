@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 
 import httpx
-from router_quality import ROOT, WORDS, free_port, percentile, wait_up
+from router_quality import ROOT, WORDS, free_port, percentile, stop_all, stream_ttft, wait_up
 
 from epdserve.common import metrics_text
 
@@ -121,33 +120,6 @@ def start_pool(
     return procs, url, pods
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for proc in reversed(procs):
-        proc.terminate()
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(15)
-        proc.kill()
-
-
-async def one(session, url: str, prompt: str) -> float:
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "stream": True,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    t0 = time.perf_counter()
-    async with session.post(url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        first = None
-        async for _ in r.content.iter_any():
-            first = first or time.perf_counter()
-    return (first or time.perf_counter()) - t0
-
-
 async def closed_loop(url: str, prompts: list[str], clients: int) -> float:
     """Requests per second with ``clients`` back-to-back clients (the calibration)."""
     import aiohttp
@@ -156,7 +128,7 @@ async def closed_loop(url: str, prompts: list[str], clients: int) -> float:
 
     async def worker(session) -> None:
         while queue:
-            await one(session, url, queue.pop(0))
+            await stream_ttft(session, url, queue.pop(0), MAX_TOKENS)
 
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -176,7 +148,7 @@ async def open_loop(url: str, work: list[tuple[int, str]], rate: float) -> dict:
 
     async def send(session, when: float, tenant: int, prompt: str, t0: float) -> None:
         await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
-        results.append((tenant, await one(session, url, prompt)))
+        results.append((tenant, await stream_ttft(session, url, prompt, MAX_TOKENS)))
 
     # a fresh connection per request: a kept-alive one the server closes when idle can be
     # reset under the next request (uvicorn keep-alive 5 s), and arrivals here are sparse
@@ -224,7 +196,7 @@ def run_strategy(args, model: Path, logs: Path, strategy: str, work, rate: float
         result = asyncio.run(open_loop(url, work, rate))
         after = pool_counters(pods, url)
     finally:
-        stop(procs)
+        stop_all(procs)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     result["prefix_hit_rate"] = round(delta.pop("hits") / max(1.0, delta.pop("queries")), 4)
     tokens = {k.split(":", 1)[1]: v for k, v in delta.items() if k.startswith("tokens:")}
@@ -277,7 +249,7 @@ def main() -> None:
                 asyncio.run(closed_loop(url, [w for _, w in work[:8]], 4))  # warm
                 capacity = asyncio.run(closed_loop(url, [w for _, w in work[:96]], 2 * args.pods))
             finally:
-                stop(procs)
+                stop_all(procs)
             out["capacity_requests_per_s"] = round(capacity, 2)
             rate = args.load * capacity
         out["offered_requests_per_s"] = round(rate, 2)
