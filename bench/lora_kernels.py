@@ -127,7 +127,10 @@ def gpu_case(in_dim, out_dim, rank, dtype, tokens) -> dict:
     y = wide[:, 3 : 3 + out_dim]
     lora_apply_triton(y, x, slots, a, b, sc)
     err = (wide.float() - ref.float()).abs().max().item()
-    tol = 1e-4 if dtype == torch.float32 else 2**-7 * ref.float().abs().max().item()
+    # fp32: the tests' atol and rtol of 1e-5, rtol on the largest output (sums of 4,096
+    # products into outputs of ~70 differ by ~1e-4 with another summation order)
+    top = ref.float().abs().max().item()
+    tol = 1e-5 + 1e-5 * top if dtype == torch.float32 else 2**-7 * top
 
     def synced(fn):
         return lambda: (fn(), torch.cuda.synchronize())

@@ -155,7 +155,8 @@ def _prefill_one(query, seq: int, ctx: int, args, masks: dict):
     # rows ordered (head-in-group, position): [1, KVH, G * q_len, D]
     q = query.transpose(0, 1).reshape(1, kv_heads, group * q_len, head_dim)
     res = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, scale, soft_cap)
-    return res.view(num_heads, q_len, head_dim).transpose(0, 1)
+    # reshape, not view: CUDA's SDPA may return a non-contiguous layout (seen on an H200)
+    return res.reshape(num_heads, q_len, head_dim).transpose(0, 1)
 
 
 def _offset_causal_mask(q_len: int, ctx: int, window, group: int, like, additive: bool):

@@ -124,7 +124,8 @@ def _decode_sdpa(query, lens, key_cache, value_cache, ids, scale, window):
     q = query.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
     bias = _mask_bias(lens, k.shape[2], window, query.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, None], scale=scale)
-    return out.view(num_seqs, num_heads, head_dim)
+    # CUDA's SDPA may return a non-contiguous layout (seen on an H200): reshape, not view
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _softmax(logits, lens, scale, window, soft_cap):

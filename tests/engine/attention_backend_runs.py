@@ -7,6 +7,7 @@ process so that ``TRITON_INTERPRET=1`` is set before anything imports triton.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -59,14 +60,23 @@ def run(model: str, backend: str, full: bool) -> dict:
         kw = dict(kw)
         blocks = kw.pop("kv_blocks", None)
         common = dict(dtype="float32", block_size=BLOCK, max_model_len=64, seed=0, device=DEVICE)
+        if DEVICE != "cpu":  # not a share of the whole GPU: the runs need a few blocks
+            common["kv_cache_memory"] = 64 << 20
         llm = LLM(model=model, attention_backend=backend, **common, **kw)
         if blocks is not None:  # rebuild with a cache of ``blocks`` blocks per group
-            mem = (blocks + 1) * len(llm.engine.kv_spec.groups) * block_bytes(llm)
-            llm = LLM(model=model, attention_backend=backend, kv_cache_memory=mem, **common, **kw)
+            common["kv_cache_memory"] = (
+                (blocks + 1) * len(llm.engine.kv_spec.groups) * block_bytes(llm)
+            )
+            llm = None
+            release()
+            llm = LLM(model=model, attention_backend=backend, **common, **kw)
         assert llm.engine.model.kernels.name == backend
         outs = llm.generate(batch, greedy)
         if name == "prefix-hits":
             outs += llm.generate(batch, greedy)
+        short = [i for i, o in enumerate(outs) if len(o.outputs[0].token_ids) != max_tokens]
+        if short:  # a failed request yields no tokens: say so, not "the backends differ"
+            raise SystemExit(f"{backend} {name}: requests {short} did not finish (see the log)")
         results[name] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             # the chosen tokens' logprobs: random tiny models repeat tokens, so these carry
@@ -82,7 +92,17 @@ def run(model: str, backend: str, full: bool) -> dict:
             "preemptions": llm.engine.scheduler.num_preemptions,
             "free_ok": llm.engine.kv.num_free_blocks() == llm.engine.num_blocks - 1,
         }
+        llm = None
+        release()
     return results
+
+
+def release() -> None:
+    """Free the engine just dropped before the next one is built: on a GPU its KV cache
+    would still be held."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
