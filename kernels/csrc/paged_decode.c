@@ -11,9 +11,11 @@
  * bfloat16 caches in the engine's layout (head size a multiple of 32) are read in place: a
  * 64-byte load is 32 values, split into the even and the odd ones as float32 by a shift and
  * a mask (bf16_split); other caches are converted to float32 rows at most 32 KiB at a time.
- * On a CPU with AVX512_BF16 the logits of a bfloat16 query take vdpbf16ps instead (two exact
- * products per lane, K read as pairs): 1.1-1.4x faster per call than the split (one thread;
- * bench numbers in docs/performance.md); P @ V stays on the split.
+ * On a CPU with AVX512_BF16 a bfloat16 query's logits take vdpbf16ps instead (two exact
+ * products per lane, K read as pairs), and so does P @ V when the heads go four at a time
+ * (two V rows interleaved by unpacklo/hi, the earlier row in the half vdpbf16ps adds first, so
+ * rows are still added in order and the products are exact as before; only denormals, read
+ * as 0, differ). One thread, per call: 1.2-1.6x faster than the split (docs/performance.md).
  * Blocks larger than a 4 KiB page are prefetched one block ahead. Sequences are spread over
  * `threads` OpenMP threads (torch's runtime: the library needs libgomp.so.1, which torch has
  * already loaded); with fewer sequences than threads, each sequence's kv heads are split
@@ -191,6 +193,50 @@ static inline void dot16_dp(const uint16_t *restrict qb, const uint16_t *restric
     for (int k = 0; k < 16; k++) acc[k] = lanes_dot_dp(qb, rows + rev4[k] * stride, d);
     transpose_sum16(acc, out);
 }
+
+/* weighted_rows4 on bfloat16 rows by vdpbf16ps, d % 32 == 0: rows o and o + 1 are
+ * interleaved per element by unpacklo/hi (row o in the odd half, which vdpbf16ps adds first,
+ * so rows are still added in order; the products are exact, as in the split path) and
+ * weighted by the pair (p[o], p[o + 1]). Accumulators per 32 elements in unpack order: lane
+ * 4l + m of the first vector is element 8l + m, of the second 8l + 4 + m (dp_unorder). */
+static inline void weighted_rows4_dp(float *restrict acc, const float *restrict p,
+                                     int64_t p_stride, const uint16_t *const rows[4], int64_t n,
+                                     int64_t stride, int64_t d) {
+    const uint32_t *pb = (const uint32_t *)p; /* probabilities already rounded to bfloat16 */
+    for (int64_t i = 0; i < d; i += 32) {
+        __m512 a[4][2];
+        for (int t = 0; t < 4; t++) {
+            a[t][0] = _mm512_loadu_ps(acc + t * d + i);
+            a[t][1] = _mm512_loadu_ps(acc + t * d + i + 16);
+        }
+        for (int64_t o = 0; o < n; o += 2)
+            for (int t = 0; t < 4; t++) {
+                __m512i r0 = _mm512_loadu_si512(rows[t] + o * stride + i);
+                __m512i r1 = o + 1 < n ? _mm512_loadu_si512(rows[t] + (o + 1) * stride + i)
+                                       : _mm512_setzero_si512();
+                uint32_t w0 = pb[t * p_stride + o] & 0xFFFF0000u;
+                uint32_t w1 = o + 1 < n ? pb[t * p_stride + o + 1] >> 16 : 0;
+                __m512bh w = (__m512bh)_mm512_set1_epi32((int)(w0 | w1));
+                a[t][0] = _mm512_dpbf16_ps(a[t][0], (__m512bh)_mm512_unpacklo_epi16(r1, r0), w);
+                a[t][1] = _mm512_dpbf16_ps(a[t][1], (__m512bh)_mm512_unpackhi_epi16(r1, r0), w);
+            }
+        for (int t = 0; t < 4; t++) {
+            _mm512_storeu_ps(acc + t * d + i, a[t][0]);
+            _mm512_storeu_ps(acc + t * d + i + 16, a[t][1]);
+        }
+    }
+}
+
+/* out[i] = acc[...] * inv for one head, from weighted_rows4_dp's order */
+static inline void dp_unorder(float *restrict out, const float *restrict acc, int64_t d,
+                              float inv) {
+    for (int64_t i = 0; i < d; i += 32)
+        for (int l = 0; l < 4; l++)
+            for (int m = 0; m < 4; m++) {
+                out[i + 8 * l + m] = acc[i + 4 * l + m] * inv;
+                out[i + 8 * l + 4 + m] = acc[i + 16 + 4 * l + m] * inv;
+            }
+}
 #else
 #define HAVE_DP 0
 #endif
@@ -348,6 +394,9 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
         for (int64_t i = 0; i < heads * d; i++) dp &= (qbits[i] & 0xFFFFu) == 0;
     }
 #endif
+    /* P @ V by vdpbf16ps too (bfloat16 P and V: exact products, rows still in order) when
+     * every head goes four at a time */
+    const int pv_dp = HAVE_DP && direct && heads % 4 == 0;
     uint16_t *qb = (uint16_t *)qp; /* [H, D] bfloat16 (dp), in qp's room */
     if (dp)
         for (int64_t i = 0; i < heads * d; i++) qb[i] = (uint16_t)(((const uint32_t *)q)[i] >> 16);
@@ -473,6 +522,18 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
                 if (prefetch && j + take < cb && (pos + take) % bs == 0)
                     prefetch_rows_bf16(vb16 + slot_offset(blocks, pos + take, bs, s_n, s_b), bs,
                                        kvh, s_b, s_h, d);
+#if HAVE_DP
+                if (pv_dp) {
+                    for (; hq < heads; hq += 4) {
+                        const uint16_t *const r4[4] = {
+                            vp + (hq / g_count) * s_h, vp + ((hq + 1) / g_count) * s_h,
+                            vp + ((hq + 2) / g_count) * s_h, vp + ((hq + 3) / g_count) * s_h};
+                        weighted_rows4_dp(acc + hq * d, logits + hq * CHUNK + j, CHUNK, r4,
+                                          take, s_b, d);
+                    }
+                    continue;
+                }
+#endif
                 for (; hq + 4 <= heads; hq += 4) {
                     const void *const r4[4] = {
                         vp + (hq / g_count) * s_h, vp + ((hq + 1) / g_count) * s_h,
@@ -504,6 +565,12 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
         float inv = 1.0f / (sum[hq] == 0.0f ? 1.0f : sum[hq]);
         float *oh = out + hq * d;
         const float *ah = acc + hq * d;
+#if HAVE_DP
+        if (pv_dp) {
+            dp_unorder(oh, ah, d, inv);
+            continue;
+        }
+#endif
         if (direct) /* back from (even, odd) order */
             for (int64_t i = 0; i < d; i += 32)
                 for (int64_t j = 0; j < 16; j++) {
