@@ -7,13 +7,18 @@ MODEL  ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install redis cc prometheus lint format clean
+.PHONY: run test test-slow install redis cc prometheus lint format clean
 
 run: $(STAMP) redis cc
 	$(BIN)/epdserve up $(if $(MODEL),--model $(MODEL)) --host 127.0.0.1 --port 8000 $(UP_ARGS)
 
 test: $(STAMP) redis cc prometheus lint
 	$(BIN)/python -m pytest
+
+# The tests marked slow (long end-to-end and second-checkpoint runs; `make test` skips them):
+# CI runs them after `make test`.
+test-slow: $(STAMP) redis cc prometheus
+	$(BIN)/python -m pytest -m slow
 
 install: $(STAMP)
 

@@ -45,6 +45,7 @@ def pool_hits(ips: list[str]) -> float:
     )
 
 
+@pytest.mark.slow  # ~27 s: CI runs it after make test
 def test_epd_pool_answers_an_image_chat_and_reuses_encoder_outputs(cluster, e2e_workdir, tmp_path):
     gap = encoder_role_gap()
     if gap:

@@ -153,6 +153,7 @@ def test_killing_the_redis_pod_keeps_answers_correct(pool):
     assert [chat(client, served, p) for p in prompts] == before
 
 
+@pytest.mark.slow  # ~47 s: CI runs it after make test
 def test_scaling_up_adds_pods_to_routing(pool):
     cluster, client, served = pool
     patch = '{"spec": {"roles": {"colocated": {"replicas": 3}}}}'

@@ -27,7 +27,7 @@ from pools_e2e import NS, example, for_this_machine, readable_copy, ready_pod_ip
 
 from epdserve.common import metrics_text
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # ~50 s: CI runs it after make test
 BIN = Path(sys.executable).parent
 IMAGE_MODEL = "/opt/lora-llama"  # where the engine image carries the model and its adapters
 # the example's adapter names, each backed by one `make-model --lora 3` adapter

@@ -19,7 +19,7 @@ from pools_e2e import NS, example, for_this_machine, ready_pod_ips, write
 
 from epdserve.common import metrics_text
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # ~50 s: CI runs it after make test
 REF = "pd-reference"
 PROMPTS = [f"def handler_{i}(request):\n    return" * 4 for i in range(3)]
 

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # ~15 s: CI runs it after make test
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

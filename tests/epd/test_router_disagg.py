@@ -156,6 +156,7 @@ def test_pd_router_falls_back_to_the_decode_pod_when_prefill_is_down(pd_pool):
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.slow  # ~28 s: CI runs it after make test
 def test_epd_router_sends_images_to_the_encoder_first(models, redis_url):
     model = str(models.get("gemma3"))
     pods, router = [], None

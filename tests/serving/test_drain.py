@@ -69,7 +69,11 @@ def _refused(url: str) -> bool:
         pytest.param(lambda pid: os.kill(pid, signal.SIGTERM), id="sigterm-to-the-process"),
         # as a terminal's Ctrl-C does: SIGINT to the whole process group; the engine core
         # runs in its own session, so it keeps serving until the drain is over
-        pytest.param(lambda pid: os.killpg(pid, signal.SIGINT), id="sigint-to-the-group"),
+        pytest.param(
+            lambda pid: os.killpg(pid, signal.SIGINT),
+            id="sigint-to-the-group",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_an_exit_signal_lets_inflight_streams_finish_refuses_new_work_and_exits_cleanly(pod, send):
