@@ -124,6 +124,21 @@ static inline void transpose_sum16(const v16f acc[16], float *restrict out) {
 
 static const int rev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
+/* logits of keys o, o + 16, ... below `take` by DOT16 (one of the dot16 variants), the head
+ * size a constant where it is 32, 64 or 128 (the dot unrolls, no loop per row); the caller
+ * does the keys left over */
+#define DOT16_KEYS(DOT16, qh, kr, stride, d, take, o, lg)                                \
+    do {                                                                             \
+        if ((d) == 32)                                                               \
+            for (; o + 16 <= take; o += 16) DOT16(qh, kr + o * stride, stride, 32, lg + o);  \
+        else if ((d) == 64)                                                          \
+            for (; o + 16 <= take; o += 16) DOT16(qh, kr + o * stride, stride, 64, lg + o);  \
+        else if ((d) == 128)                                                         \
+            for (; o + 16 <= take; o += 16) DOT16(qh, kr + o * stride, stride, 128, lg + o); \
+        else                                                                         \
+            for (; o + 16 <= take; o += 16) DOT16(qh, kr + o * stride, stride, d, lg + o);   \
+    } while (0)
+
 /* out[l] = a . rows[l * stride] for 16 rows, d % 16 == 0: one accumulator vector per row,
  * accumulator k taking row bitrev4(k), then transpose_sum16 (which puts it back in lane k) */
 static inline void dot16(const float *restrict a, const float *restrict rows, int64_t stride,
@@ -386,20 +401,15 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
     const int prefetch = bs * kvh * d * 2 > 4096;
     /* vdpbf16ps where the CPU has it and the query is bfloat16-exact (a bfloat16 model's
      * query always is): two exact products per lane; else (even, odd) float32 FMAs */
-    int dp = 0;
-#if HAVE_DP
-    if (direct) {
-        const uint32_t *qbits = (const uint32_t *)q;
-        dp = 1;
-        for (int64_t i = 0; i < heads * d; i++) dp &= (qbits[i] & 0xFFFFu) == 0;
-    }
-#endif
+    const uint32_t *qbits = (const uint32_t *)q; /* built with -fno-strict-aliasing */
+    int dp = HAVE_DP && direct;
+    for (int64_t i = 0; dp && i < heads * d; i++) dp = (qbits[i] & 0xFFFFu) == 0;
     /* P @ V by vdpbf16ps too (bfloat16 P and V: exact products, rows still in order) when
      * every head goes four at a time */
     const int pv_dp = HAVE_DP && direct && heads % 4 == 0;
     uint16_t *qb = (uint16_t *)qp; /* [H, D] bfloat16 (dp), in qp's room */
     if (dp)
-        for (int64_t i = 0; i < heads * d; i++) qb[i] = (uint16_t)(((const uint32_t *)q)[i] >> 16);
+        for (int64_t i = 0; i < heads * d; i++) qb[i] = (uint16_t)(qbits[i] >> 16);
     else if (direct)
         for (int64_t i = 0; i < heads * d; i += 32)
             for (int64_t j = 0; j < 16; j++) {
@@ -437,36 +447,14 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
 #if HAVE_DP
                     if (dp) {
                         const uint16_t *qbh = qb + hq * d;
-                        if (d == 32)
-                            for (; o + 16 <= take; o += 16)
-                                dot16_dp(qbh, kr + o * s_b, s_b, 32, lg + o);
-                        else if (d == 64)
-                            for (; o + 16 <= take; o += 16)
-                                dot16_dp(qbh, kr + o * s_b, s_b, 64, lg + o);
-                        else if (d == 128)
-                            for (; o + 16 <= take; o += 16)
-                                dot16_dp(qbh, kr + o * s_b, s_b, 128, lg + o);
-                        else
-                            for (; o + 16 <= take; o += 16)
-                                dot16_dp(qbh, kr + o * s_b, s_b, d, lg + o);
+                        DOT16_KEYS(dot16_dp, qbh, kr, s_b, d, take, o, lg);
                         for (; o < take; o++) lg[o] = hsum16(lanes_dot_dp(qbh, kr + o * s_b, d));
-                        finish_logits(lg, take, pos, lo, scale, soft_cap);
-                        continue;
-                    }
+                    } else
 #endif
-                    if (d == 32) /* constant head sizes: the dot unrolled */
-                        for (; o + 16 <= take; o += 16)
-                            dot16_bf16(qh, kr + o * s_b, s_b, 32, lg + o);
-                    else if (d == 64)
-                        for (; o + 16 <= take; o += 16)
-                            dot16_bf16(qh, kr + o * s_b, s_b, 64, lg + o);
-                    else if (d == 128)
-                        for (; o + 16 <= take; o += 16)
-                            dot16_bf16(qh, kr + o * s_b, s_b, 128, lg + o);
-                    else
-                        for (; o + 16 <= take; o += 16)
-                            dot16_bf16(qh, kr + o * s_b, s_b, d, lg + o);
-                    for (; o < take; o++) lg[o] = dot_bf16(qh, kr + o * s_b, d);
+                    {
+                        DOT16_KEYS(dot16_bf16, qh, kr, s_b, d, take, o, lg);
+                        for (; o < take; o++) lg[o] = dot_bf16(qh, kr + o * s_b, d);
+                    }
                     finish_logits(lg, take, pos, lo, scale, soft_cap);
                 }
                 continue;
@@ -477,14 +465,7 @@ static void one_sequence(const float *restrict q, float *restrict out, const voi
                 const float *qh = q + hq * d, *kr = rows + (hq / g_count) * d;
                 float *lg = logits + hq * CHUNK + j;
                 int64_t o = 0;
-                if (d == 32) /* constant head sizes: the dot unrolled, no loop per row */
-                    for (; o + 16 <= take; o += 16) dot16(qh, kr + o * row, row, 32, lg + o);
-                else if (d == 64)
-                    for (; o + 16 <= take; o += 16) dot16(qh, kr + o * row, row, 64, lg + o);
-                else if (d == 128)
-                    for (; o + 16 <= take; o += 16) dot16(qh, kr + o * row, row, 128, lg + o);
-                else if (d % 16 == 0)
-                    for (; o + 16 <= take; o += 16) dot16(qh, kr + o * row, row, d, lg + o);
+                if (d % 16 == 0) DOT16_KEYS(dot16, qh, kr, row, d, take, o, lg);
                 for (; o < take; o++) lg[o] = dot(qh, kr + o * row, d);
                 finish_logits(lg, take, pos, lo, scale, soft_cap);
             }
