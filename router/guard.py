@@ -10,7 +10,7 @@ import hmac
 
 from epdserve.router.metrics import RouterMetrics
 from epdserve.router.proxy import openai_error
-from epdserve.router.tenants import BadTenantHeader, Identity
+from epdserve.router.tenants import BadTenantHeader, Identity, KeyedTenantHeader
 
 # probes, scrapes and /version need no key (as on an engine pod)
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
@@ -53,7 +53,8 @@ def _unauthorized(metrics: RouterMetrics):
 class TenantCheck:
     """``ApiKeyCheck`` with tenants (router/tenants.py ``Identity`` has the rules): puts
     the request's ``Tenant`` in ``scope["state"]["tenant"]``, answers 401 to a key that is
-    neither a tenant's nor the shared ``--api-key``, 400 to a bad gateway tenant header.
+    neither a tenant's nor the shared ``--api-key``, 400 to a bad gateway tenant header, 403
+    to a header naming a tenant that has keys.
     A tenant's key never reaches the pods: upstream it becomes the shared key (or none)."""
 
     def __init__(self, app, identity: Identity, metrics: RouterMetrics) -> None:
@@ -71,6 +72,10 @@ class TenantCheck:
         except BadTenantHeader as exc:
             self.metrics.client_errors.labels("bad_tenant_header").inc()
             await openai_error(400, str(exc), "BadRequestError")(scope, receive, send)
+            return
+        except KeyedTenantHeader as exc:
+            self.metrics.client_errors.labels("keyed_tenant_header").inc()
+            await openai_error(403, str(exc), "PermissionDeniedError")(scope, receive, send)
             return
         if tenant is None:
             await _unauthorized(self.metrics)(scope, receive, send)

@@ -35,7 +35,8 @@ def scope_tenant(scope) -> Tenant | None:
 @dataclass(frozen=True)
 class GateSettings:
     """``--max-inflight-per-pod`` (0: no queue), the per-tenant bound and wait, and whether
-    a tenant's configured priority overrides the request's ``priority`` field."""
+    the router sets every request's ``priority`` field (its tenant's configured priority, or
+    ``DEFAULT_PRIORITY``: the client's own never reaches the pods)."""
 
     max_inflight_per_pod: int = 0
     reserve_per_pod: int = 0  # more slots, only for tenants under their share
@@ -110,8 +111,9 @@ class TenantGate:
         first = await receive()  # the whole body: BodyLimit replays it as one message
         if first["type"] == "http.disconnect":
             return
-        if self.set_priority and tenant.priority is not None:
-            first = {**first, "body": with_priority(first.get("body", b""), tenant.priority)}
+        if self.set_priority:  # every tenant's, or an unconfigured one would choose its own
+            body = with_priority(first.get("body", b""), tenant.engine_priority)
+            first = {**first, "body": body}
         if self.queue is None:
             self.metrics.admitted.labels(label).inc()
             await self.app(scope, _replay(first, None, receive), send)

@@ -8,7 +8,8 @@ A tenant-keys file (JSON or YAML, typically a Kubernetes Secret mounted as a fil
 
 Keys are held only as sha256 digests (a ``sha256:<hex>`` entry is taken as one, so the
 Secret need not hold the key itself); a presented key is hashed and looked up, so no
-comparison runs over the secret bytes. Tenant names are label-safe (1-63 characters of
+comparison runs over the secret bytes. A tenant with keys is named only by one of them: the
+trusted gateway header cannot name it. Tenant names are label-safe (1-63 characters of
 ``[A-Za-z0-9._-]``, starting alphanumeric); metrics label at most ``MAX_LABELS`` distinct
 tenants and fold the rest into ``other``, so a gateway header cannot grow the label set.
 """
@@ -31,6 +32,7 @@ import yaml
 log = logging.getLogger(__name__)
 
 DEFAULT = "default"  # requests no key or header names
+DEFAULT_PRIORITY = 0  # --tenant-priority: tenants without a configured one (the engines' default)
 OTHER = "other"  # the metrics label of tenants past MAX_LABELS
 MAX_LABELS = 64
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -44,6 +46,11 @@ class Tenant:
     name: str
     weight: float = 1.0
     priority: int | None = None
+
+    @property
+    def engine_priority(self) -> int:
+        """The ``priority`` its requests carry under ``--tenant-priority``."""
+        return DEFAULT_PRIORITY if self.priority is None else self.priority
 
 
 def valid_name(name: str) -> bool:
@@ -61,6 +68,7 @@ class TenantTable:
     def __init__(self, tenants: list[Tenant], keys: dict[bytes, str]) -> None:
         self.by_name = {t.name: t for t in tenants}
         self.by_digest = dict(keys)
+        self.keyed = frozenset(keys.values())  # tenants a header may not name
 
     @classmethod
     def empty(cls) -> TenantTable:
@@ -204,6 +212,10 @@ class BadTenantHeader(ValueError):
     """The trusted gateway's tenant header holds no valid tenant name (a 400)."""
 
 
+class KeyedTenantHeader(ValueError):
+    """The gateway header names a tenant that has keys: only its keys name it (a 403)."""
+
+
 @dataclass(frozen=True)
 class Identity:
     """How the router names a request's tenant (``--tenant-keys``, ``--tenant-header``,
@@ -220,7 +232,9 @@ class Identity:
     def identify(self, token: bytes | None, header_value: bytes | None) -> Tenant | None:
         """A key rules: a tenant key names its tenant; the shared key, or no key when none
         is required, leaves the choice to the gateway header, else the default tenant.
-        None: a key is required and ``token`` is not one of them. Raises BadTenantHeader."""
+        None: a key is required and ``token`` is not one of them. Raises BadTenantHeader,
+        and KeyedTenantHeader when the header names a tenant that has keys (else the shared
+        key would take that tenant's weight and priority)."""
         table = self.table.current()
         if self.needs_key(table):
             tenant = table.by_key(token) if token else None
@@ -235,6 +249,11 @@ class Identity:
                 raise BadTenantHeader(
                     f"{self.header.decode()} must be 1-63 characters of "
                     "[A-Za-z0-9._-] starting with a letter or digit"
+                )
+            if name in table.keyed:
+                raise KeyedTenantHeader(
+                    f"{self.header.decode()} names tenant {name!r}, which has its own keys: "
+                    "present one of them instead"
                 )
             return table.tenant(name)
         return table.tenant(DEFAULT)

@@ -15,7 +15,12 @@ from epdserve.router.tenant_gate import GateSettings, Tenancy, add_gate, with_pr
 from epdserve.router.tenants import Identity, TenantTable
 
 TABLE = TenantTable.parse(
-    {"tenants": [{"name": "gold", "weight": 4, "priority": -5, "keys": ["sk-gold"]}]}
+    {
+        "tenants": [
+            {"name": "gold", "weight": 4, "priority": -5, "keys": ["sk-gold"]},
+            {"name": "silver", "weight": 2},  # named by the gateway header, no priority
+        ]
+    }
 )
 
 
@@ -72,6 +77,31 @@ def test_priority_and_the_admission_header_are_left_alone_unless_asked():
     r = post(app, {"Authorization": "Bearer sk-gold"}, {"priority": 3})
     assert r.json()["body"] == {"priority": 3}
     assert "x-epdserve-admission" not in r.headers
+
+
+def test_with_tenant_priority_no_tenant_chooses_its_own_priority():
+    """Configured, header-named and default tenants alike: the router's priority or 0."""
+    identity = Identity(TABLE, header=b"x-tenant-id", api_key=b"shared")
+    app = echo_app(identity, GateSettings(1, set_priority=True))
+    shared, greedy = {"Authorization": "Bearer shared"}, {"prompt": "x", "priority": -1000}
+    for header, tenant in [
+        ({}, "default"),
+        ({"X-Tenant-Id": "silver"}, "silver"),
+        ({"X-Tenant-Id": "batch-7"}, "batch-7"),
+    ]:
+        r = post(app, {**shared, **header}, greedy).json()
+        assert (r["tenant"], r["body"]) == (tenant, {"prompt": "x", "priority": 0})
+    gold = post(app, {"Authorization": "Bearer sk-gold"}, greedy).json()
+    assert gold["body"]["priority"] == -5
+
+
+def test_the_header_cannot_name_a_tenant_that_has_keys():
+    app = echo_app(Identity(TABLE, header=b"x-tenant-id", api_key=b"shared"), GateSettings(1))
+    r = post(app, {"Authorization": "Bearer shared", "X-Tenant-Id": "gold"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "PermissionDeniedError"
+    text = app.state.metrics.render().decode()
+    assert 'request_failures_total{reason="keyed_tenant_header"} 1.0' in text
+    assert "gold" not in text  # refused before the gate counted it
 
 
 def test_the_trusted_header_names_the_tenant_and_a_bad_one_is_a_400():

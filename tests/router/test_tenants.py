@@ -13,6 +13,7 @@ from epdserve.router.tenants import (
     OTHER,
     BadTenantHeader,
     Identity,
+    KeyedTenantHeader,
     TenantFile,
     TenantLabels,
     TenantTable,
@@ -76,11 +77,18 @@ def test_the_header_names_the_tenant_only_when_configured_and_never_beats_a_key(
     table = TenantTable.parse(TENANTS)
     trusted = Identity(table, header=b"x-tenant-id", api_key=b"shared")
     assert trusted.identify(b"shared", b"team-b").name == "team-b"
-    assert trusted.identify(b"shared", b"batch").name == "batch"
     assert trusted.identify(b"sk-a1", b"batch").name == "team-a"
     assert trusted.identify(b"nope", b"batch") is None
     untrusted = Identity(table, header=None, api_key=b"shared")
     assert untrusted.identify(b"shared", b"batch").name == "default"
+
+
+def test_the_shared_key_cannot_claim_a_keyed_tenant_by_header():
+    trusted = Identity(TenantTable.parse(TENANTS), header=b"x-tenant-id", api_key=b"shared")
+    for keyed in (b"batch", b"team-a"):
+        with pytest.raises(KeyedTenantHeader, match="has its own keys"):
+            trusted.identify(b"shared", keyed)
+    assert trusted.identify(b"sk-b", b"team-a").name == "batch"  # its key still rules
 
 
 def test_without_any_key_the_header_or_default_names_the_tenant():
