@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import time
 
+import msgspec
+
 from epdserve.common.chat_parts import image_parts
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
@@ -15,6 +17,7 @@ from epdserve.engine.core.interfaces import MMFeature
 from epdserve.engine.inputs.images import LoadedImage, load_image_url
 from epdserve.engine.inputs.processor import InputProcessor
 from epdserve.engine.inputs.prompt import ProcessedPrompt
+from epdserve.engine.lora.digest import adapter_digest
 from epdserve.engine.lora.peft_files import inspect_adapter
 from epdserve.engine.lora.registry import LoRARegistry
 from epdserve.engine.lora.request import LoRARequest
@@ -41,7 +44,7 @@ class LLM:
         if self.config.enable_lora:
             self.loras = LoRARegistry(self.config.model, self.config.max_lora_rank, str(model))
             self.loras.add_modules(self.config.lora_modules)
-        self._checked_loras: set[tuple[int, str]] = set()
+        self._checked_loras: dict[tuple[int, str], str] = {}  # -> the files' digest
 
     def generate(
         self,
@@ -114,10 +117,12 @@ class LLM:
             if found is None:
                 raise ValueError(f"lora_request: no adapter named {lora!r} in lora_modules")
             return found
-        if (lora.lora_int_id, lora.lora_path) not in self._checked_loras:
+        key = (lora.lora_int_id, lora.lora_path)
+        if key not in self._checked_loras:
             inspect_adapter(lora.lora_path, self.loras.model_cfg, self.config.max_lora_rank)
-            self._checked_loras.add((lora.lora_int_id, lora.lora_path))
-        return lora
+            self._checked_loras[key] = lora.digest or adapter_digest(lora.lora_path)
+        # the digest of the files when first seen: the core refuses them if they changed since
+        return msgspec.structs.replace(lora, digest=self._checked_loras[key])
 
     def _chat_prompt(self, conversation: list[dict], processor_kwargs) -> ProcessedPrompt:
         """OpenAI-style messages (``image_url`` parts, or ``image`` parts holding PIL

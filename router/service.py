@@ -244,16 +244,18 @@ class Router:
     ):
         if not ids:
             return {}, {}, {}, {}
-        by_size: dict[int, list[str]] = {}
+        # pods key a prompt alike when they share a block size and the adapter's version
+        groups: dict[tuple[int, str | None], list[str]] = {}
         for p in pods:
             size = self.index.block_size(p.name) or self.default_block_size
-            by_size.setdefault(size, []).append(p.name)
+            digest = self.index.lora_digest(p.name, lora) if lora else None
+            groups.setdefault((size, digest), []).append(p.name)
         matched: dict[str, int] = {}
         totals: dict[str, int] = {}
         pod_keys: dict[str, list[int]] = {}
         loadable: dict[str, int] = {}  # local or shared-store prefix (>= matched)
-        for size, names in by_size.items():
-            keys = request_keys(ids, size, lora, salt)
+        for (size, digest), names in groups.items():
+            keys = request_keys(ids, size, lora, salt, digest)
             found = self.index.match_tiers(keys, names)
             expected = self.pending.match(keys, names)
             matched.update({n: max(found[n][0], expected[n]) for n in names})

@@ -42,8 +42,9 @@ class StoreScheduler:
         self._saved_upto: dict[str, int] = {}  # req -> blocks saved (or skipped) so far
         self._has_saves: set[str] = set()
         self._queued_loads: list[BlockTransfer] = []
-        # block hash -> (parent hash, tokens, extra keys) of planned saves, for store events
-        self._save_plans: dict[bytes, tuple[bytes | None, list[int], Any]] = {}
+        # block hash -> (parent hash, tokens, router keys, adapter) of planned saves, for
+        # store events
+        self._save_plans: dict[bytes, tuple[bytes | None, list[int], Any, Any]] = {}
         self._events: list = []  # store-tier KV events not yet taken
 
     def get_num_new_matched_tokens(
@@ -154,15 +155,17 @@ class StoreScheduler:
         if tokens is None or getattr(request, "mm_spans", None):
             return  # no tokens to name the blocks by; image blocks are not indexed anyway
         salt = getattr(request, "cache_salt", None)
+        lora = getattr(request, "lora", None)  # an adapter's blocks are named by name + digest
+        name, digest = (lora.lora_name, lora.digest) if lora is not None else (None, None)
         bs = self.layout.block_size
         # a salted request's events name blocks by router key, never by tokens and salt
-        keys = extend_keys([], tokens, bs, end, None, salt) if salt else None
+        keys = extend_keys([], tokens, bs, end, name, salt, digest) if salt else None
         for i in range(start, end):
             parent = request.block_hashes[i - 1] if i else None
             self._save_plans[request.block_hashes[i]] = (
-                (parent, [], [keys[i]])
+                (parent, [], [keys[i]], lora)
                 if keys is not None
-                else (parent, list(tokens[i * bs : (i + 1) * bs]), None)
+                else (parent, list(tokens[i * bs : (i + 1) * bs]), None, lora)
             )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -180,18 +183,20 @@ class StoreScheduler:
             plan = self._save_plans.pop(block_hash, None)
             if plan is None or not ok:
                 continue
-            parent, tokens, router_keys = plan
+            parent, tokens, router_keys, lora = plan
+            extra = [[lora.lora_name]] if lora is not None else [None]  # vLLM's shape
             events.append(
                 BlockStored(
                     block_hashes=[hash_to_int(block_hash)],
                     parent_block_hash=None if parent is None else hash_to_int(parent),
                     token_ids=tokens,
                     block_size=self.layout.block_size,
-                    lora_id=None,
+                    lora_id=lora and lora.lora_int_id,
                     medium=STORE_MEDIUM,
-                    lora_name=None,
-                    extra_keys=None if router_keys is not None else [None],
+                    lora_name=lora and lora.lora_name,
+                    extra_keys=None if router_keys is not None else extra,
                     router_keys=router_keys,
+                    lora_digest=lora and lora.digest,
                 )
             )
         events += [BlockRemoved([hash_to_int(h)], STORE_MEDIUM) for h in missed]

@@ -15,9 +15,15 @@ from collections.abc import Sequence
 from hashlib import blake2b
 
 
-def root_key(lora_name: str | None = None, cache_salt: str | None = None) -> int:
-    """The parent key of a prompt's first block (an empty salt is no salt, as in vLLM)."""
+def root_key(
+    lora_name: str | None = None, cache_salt: str | None = None, lora_digest: str | None = None
+) -> int:
+    """The parent key of a prompt's first block (an empty salt is no salt, as in vLLM). An
+    adapter's digest (the content of its files, ``lora_digest`` in our pods' events) joins its
+    name: two versions of an adapter name different blocks."""
     lora = (lora_name or "").encode()
+    if lora_name and lora_digest:
+        lora += b"\x00" + lora_digest.encode()
     if cache_salt:
         seed = b"epdserve-router-salted-root\x00" + len(lora).to_bytes(4, "little") + lora
         seed += cache_salt.encode("utf-8", "surrogatepass")
@@ -51,13 +57,14 @@ def extend_keys(
     end: int,
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    lora_digest: str | None = None,
 ) -> list[int]:
     """Append to ``keys`` (a prompt's chain so far) the keys of blocks ``len(keys)..end-1``
     of ``token_ids``; returns ``keys``. Callers keep the list between calls, so a growing
     request hashes each block once."""
     start = len(keys)
     if end > start:
-        parent = keys[-1] if keys else root_key(lora_name, cache_salt)
+        parent = keys[-1] if keys else root_key(lora_name, cache_salt, lora_digest)
         packed = token_bytes(token_ids[start * block_size : end * block_size])
         keys += chain_keys(parent, packed, block_size, end - start)
     return keys
@@ -68,13 +75,14 @@ def request_keys(
     block_size: int,
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    lora_digest: str | None = None,
 ) -> list[int]:
     """Keys of every full block of a request's prompt."""
     num_blocks = len(token_ids) // block_size
     if num_blocks == 0:
         return []
     packed = token_bytes(token_ids[: num_blocks * block_size])
-    return chain_keys(root_key(lora_name, cache_salt), packed, block_size, num_blocks)
+    return chain_keys(root_key(lora_name, cache_salt, lora_digest), packed, block_size, num_blocks)
 
 
 def without_lora(extra_keys: list | None, lora_name: str | None) -> list | None:

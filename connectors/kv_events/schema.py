@@ -19,6 +19,7 @@ UINT64_MASK = (1 << 64) - 1
 # are announced with "STORE": any pod of the pool can load them.
 DEVICE_MEDIUM = "GPU"
 STORE_MEDIUM = "STORE"
+MAX_DIGEST_CHARS = 128  # ``lora_digest`` (ours): the adapter files' digest, hex
 
 
 class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -36,6 +37,9 @@ class BlockStored(KVCacheEvent):
     so byte-identical to vLLM, on every other event) holds the router's chained key of the
     leading blocks that a router can index (see :mod:`.keys`; image blocks and the blocks after
     them have none).
+
+    ``lora_digest`` (our extension, absent otherwise) is the digest of the adapter's files
+    when the blocks were computed: with ``lora_name`` it names the adapter's version.
     """
 
     block_hashes: list[int]
@@ -50,6 +54,7 @@ class BlockStored(KVCacheEvent):
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     router_keys: list[int] | None = None
+    lora_digest: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -124,6 +129,7 @@ class _LenientBlockStored(KVCacheEvent, tag="BlockStored"):
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     router_keys: list[int] | None = None
+    lora_digest: str | None = None
 
 
 class _LenientBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
@@ -184,6 +190,11 @@ class EventDecoder:
 def _check_stored(event: BlockStored) -> None:
     if event.block_size <= 0:
         raise EventDecodeError(f"BlockStored.block_size must be > 0, got {event.block_size}")
+    digest = event.lora_digest
+    if digest is not None and not (event.lora_name and 0 < len(digest) <= MAX_DIGEST_CHARS):
+        raise EventDecodeError(
+            f"BlockStored.lora_digest needs a lora_name and 1-{MAX_DIGEST_CHARS} characters"
+        )
     if event.router_keys is not None:  # a salted request's blocks: keys instead of tokens
         if event.token_ids or len(event.router_keys) > len(event.block_hashes):
             raise EventDecodeError(
@@ -211,6 +222,7 @@ def _normalize(event: Any) -> KVEvent:
             extra_keys=event.extra_keys,
             group_idx=event.group_idx,
             router_keys=getattr(event, "router_keys", None),
+            lora_digest=getattr(event, "lora_digest", None),
         )
     if isinstance(event, _LenientBlockRemoved | _LegacyBlockRemoved):
         return BlockRemoved(
@@ -255,6 +267,7 @@ def to_wire_event(event: Any) -> KVEvent:
             group_idx=getattr(event, "group_idx", 0),
             kv_cache_spec_kind=getattr(event, "kv_cache_spec_kind", "full_attention"),
             router_keys=_salted_keys(event),
+            lora_digest=getattr(event, "lora_digest", None),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(

@@ -83,6 +83,7 @@ class BlockStored:
     router_keys: list[int] | None = None
     lora_id: int | None = None  # the adapter's pod-local id (None: the base model)
     lora_name: str | None = None
+    lora_digest: str | None = None  # the adapter's files (ours; vLLM has no such field)
 
 
 @dataclass
@@ -194,14 +195,14 @@ class BlockPool:
         extra_keys: list | None = None,
         group_idx: int = 0,
         router_keys: list[int] | None = None,
-        lora: tuple[int, str] | None = None,
+        lora: tuple[int, str, str | None] | None = None,
     ) -> None:
         """Name blocks ``num_cached..num_full-1`` of one group by their hashes and announce
         them (null blocks of a sliding window are skipped); ``extra_keys``, one entry per
         block of that range, are the hash extra keys the events carry (None: none).
         ``router_keys`` (a salted request's; one per leading block of the range, maybe
         fewer) make the event carry those keys instead of the tokens and extra keys;
-        ``lora`` (id, name) names the adapter the blocks were computed with."""
+        ``lora`` (id, name, digest) names the adapter the blocks were computed with."""
         if not self.enable_caching or num_full <= num_cached:
             return
         new_hashes, new_extra, new_keys = [], [], []
@@ -226,7 +227,7 @@ class BlockPool:
                 tokens = list(token_ids[num_cached * block_size : num_full * block_size])
                 event = BlockStored(new_hashes, parent, tokens, block_size, new_extra, group_idx)
             if lora is not None:
-                event.lora_id, event.lora_name = lora
+                event.lora_id, event.lora_name, event.lora_digest = lora
             self.events.append(event)
 
     def reset_prefix_cache(self) -> bool:

@@ -68,12 +68,13 @@ class BlockHasher:
         self.extra_keys = extra_keys  # e.g. a LoRA name, applying to every block
 
     def block_extra_keys(
-        self, i: int, mm_spans=(), cache_salt: str | None = None, lora_name: str | None = None
+        self, i: int, mm_spans=(), cache_salt: str | None = None, lora_key: tuple = ()
     ):
-        """Extra keys of block ``i``: the request's LoRA adapter name (every block, so two
-        adapters never share KV), identifiers of the multimodal items overlapping it, then,
-        on block 0 only, the request's ``cache_salt`` (later blocks inherit it through the
-        chain); None when there are none."""
+        """Extra keys of block ``i``: the request's LoRA adapter key, its name and the digest of
+        its files (every block, so two adapters, or two versions of one, never share KV),
+        identifiers of the multimodal items overlapping it, then, on block 0 only, the
+        request's ``cache_salt`` (later blocks inherit it through the chain); None when there
+        are none."""
         extra = self.extra_keys
         if mm_spans:
             bs = self.block_size
@@ -81,8 +82,8 @@ class BlockHasher:
             extra = ids or extra
         if cache_salt and i == 0:
             extra = (*(extra or ()), cache_salt)
-        if lora_name:
-            extra = (lora_name, *(extra or ()))
+        if lora_key:
+            extra = (*lora_key, *(extra or ()))
         return extra
 
     def extend(
@@ -91,17 +92,17 @@ class BlockHasher:
         token_ids: Sequence[int],
         mm_spans=(),
         cache_salt: str | None = None,
-        lora_name: str | None = None,
+        lora_key: tuple = (),
     ) -> None:
         """Append hashes for every newly completed block of ``token_ids``.
 
         ``mm_spans`` are ``(start, end, identifier)`` of multimodal placeholders: a block
         overlapping one carries its identifier, so different images never share blocks;
         ``cache_salt`` (a tenant's) roots the chain apart from every other salt;
-        ``lora_name`` keys every block by its adapter.
+        ``lora_key`` (name, digest) keys every block by its adapter.
         """
         bs = self.block_size
         for i in range(len(hashes), len(token_ids) // bs):
             parent = hashes[i - 1] if i > 0 else self.root
-            extra = self.block_extra_keys(i, mm_spans, cache_salt, lora_name)
+            extra = self.block_extra_keys(i, mm_spans, cache_salt, lora_key)
             hashes.append(hash_block(self.hash_fn, parent, token_ids[i * bs : (i + 1) * bs], extra))

@@ -145,7 +145,11 @@ class KVCacheManager:
         if num_full > num_cached:
             extra_keys = request.block_extra_keys(num_cached, num_full)
             router_keys = self._router_keys(request, num_cached, num_full)
-            lora = request.lora and (request.lora.lora_int_id, request.lora.lora_name)
+            lora = request.lora and (
+                request.lora.lora_int_id,
+                request.lora.lora_name,
+                request.lora.digest,
+            )
             for g, group_blocks in enumerate(blocks):
                 self.pool.cache_full_blocks(
                     group_blocks,
@@ -172,7 +176,13 @@ class KVCacheManager:
             end = min(end, min(start for start, _, _ in request.mm_spans) // self.block_size)
         keys = self.salted_keys.setdefault(request.request_id, [])
         extend_keys(
-            keys, request.all_token_ids, self.block_size, end, request.lora_name, request.cache_salt
+            keys,
+            request.all_token_ids,
+            self.block_size,
+            end,
+            request.lora_name,
+            request.cache_salt,
+            request.lora_digest,
         )
         return keys[num_cached:end]
 

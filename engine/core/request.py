@@ -66,6 +66,9 @@ class Request:
         self.cache_salt = cache_salt or None  # a tenant's: its blocks share with no other salt
         self.lora = lora  # its adapter (None: the base model)
         self.lora_name = lora.lora_name if lora is not None else None
+        self.lora_digest = lora.digest if lora is not None else None
+        # its blocks' adapter key: name and the digest of the files (a reload names others)
+        self.lora_key = tuple(k for k in (self.lora_name, self.lora_digest) if k)
         self._hasher = hasher
         if hasher is not None:
             self._extend_hashes()
@@ -94,19 +97,21 @@ class Request:
 
     def _extend_hashes(self) -> None:
         self._hasher.extend(
-            self.block_hashes, self.all_token_ids, self.mm_spans, self.cache_salt, self.lora_name
+            self.block_hashes, self.all_token_ids, self.mm_spans, self.cache_salt, self.lora_key
         )
 
     def block_extra_keys(self, start: int, end: int) -> list | None:
-        """The hash extra keys of blocks ``start..end-1`` (what their KV events carry);
-        None when no block of this request has any."""
+        """The hash extra keys of blocks ``start..end-1`` as their KV events carry them (vLLM's
+        shape: the adapter by name only, its digest travels in ``lora_digest``); None when no
+        block of this request has any."""
         hasher = self._hasher
         if hasher is None or not (
             self.mm_spans or self.cache_salt or self.lora_name or hasher.extra_keys
         ):
             return None
+        name = (self.lora_name,) if self.lora_name else ()
         return [
-            hasher.block_extra_keys(i, self.mm_spans, self.cache_salt, self.lora_name)
+            hasher.block_extra_keys(i, self.mm_spans, self.cache_salt, name)
             for i in range(start, end)
         ]
 

@@ -61,6 +61,6 @@ def apply_message(manager: LoRAManager | None, queues: RequestQueues, msg: LoRAM
         if not any(
             r.lora is not None and r.lora.lora_int_id == lid for r in queues.requests.values()
         ):
-            manager.forget(lid)
+            manager.forget(msg.lora)
     else:
         raise ValueError(f"op: must be add or remove, got {msg.op!r}")

@@ -1,7 +1,10 @@
 """The engine core's adapters: read off the step loop into a host LRU, placed on device slots.
 
-A background thread reads an adapter's files (``peft_files``) into fp32 host tensors; up to
-``max_cpu_loras`` stay there (least recently used leaves first). A request runs only when its
+A background thread reads an adapter's files (``peft_files``) into fp32 host tensors, checked
+against the digest they had when the adapter was loaded; up to ``max_cpu_loras`` stay there
+(least recently used leaves first), keyed by that digest, so names over the same files share
+one read. Reads in flight are bounded by the same number: the core holds at most twice
+``max_cpu_loras`` adapters' host weights, however many names are loaded. A request runs only when its
 adapter is on one of the ``max_loras`` device slots: stacked A/B per layer and target module,
 zero-padded to ``max_lora_rank``, which the decoder reads through ``LoRABatch``. Placing an
 adapter is a host-to-device copy between steps; a slot evicted (least recently used first) is
@@ -16,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from epdserve.engine.lora.digest import read_weights
 from epdserve.engine.lora.peft_files import (
     TARGET_MODULES,
     inspect_adapter,
@@ -66,9 +70,12 @@ class LoRAManager:
         self.slot_owner: list[int | None] = [None] * max_loras
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self.names: dict[int, str] = {}  # lora id -> name, of adapters on slots
-        self.host: OrderedDict[int, tuple[float, dict]] = OrderedDict()  # id -> weights, LRU
-        self.loading: dict[int, Future] = {}
-        self.failed: OrderedDict[int, str] = OrderedDict()
+        self.keys: dict[int, str] = {}  # lora id -> content key, of adapters on slots
+        # host weights by content (the digest of the files): names over the same files share
+        # one read and one entry; at most ``max_cpu_loras`` entries, least recently used out
+        self.host: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+        self.loading: dict[str, Future] = {}  # reads in flight, at most ``max_cpu_loras``
+        self.failed: OrderedDict[str, str] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self.num_loads = self.num_slot_writes = 0
 
@@ -77,44 +84,65 @@ class LoRAManager:
         return len(self.slot_owner)
 
     # --- host side ---------------------------------------------------------------------
+    @staticmethod
+    def content_key(lora: LoRARequest) -> str:
+        """What the host side knows an adapter by: its files' digest (an adapter made by a
+        caller without one: its id)."""
+        return lora.digest or f"id:{lora.lora_int_id}"
+
     def prefetch(self, lora: LoRARequest) -> None:
-        """Start reading ``lora`` unless it is read, being read, or placed."""
-        lid = lora.lora_int_id
-        if lid in self.slots or lid in self.host or lid in self.loading or lid in self.failed:
+        """Start reading ``lora`` unless its files are read, being read, or failed, or the
+        reads in flight are at their bound (it is then read when a request needs it)."""
+        self._collect()
+        key = self.content_key(lora)
+        if key in self.host or key in self.loading or key in self.failed:
             return
-        self.loading[lid] = self._pool.submit(self._read, lora)
+        if len(self.loading) >= self.max_cpu_loras:
+            return
+        self.loading[key] = self._pool.submit(self._read, lora)
 
     def _read(self, lora: LoRARequest) -> tuple[float, dict]:
         spec = inspect_adapter(lora.lora_path, self.cfg, self.max_rank)
-        return spec.scaling, load_adapter(spec)
+        data, digest = read_weights(lora.lora_path)
+        if lora.digest is not None and digest != lora.digest:
+            raise ValueError(
+                "lora_path: the adapter's files changed since it was loaded; load it again "
+                "(unload, then /v1/load_lora_adapter) to serve the new files"
+            )
+        return spec.scaling, load_adapter(spec, data)
+
+    def _collect(self, last: str | None = None) -> None:
+        """Move finished reads to the host LRU (``last`` the most recent of them)."""
+        done = [k for k, f in self.loading.items() if f.done() and k != last]
+        if last is not None and last in self.loading and self.loading[last].done():
+            done.append(last)
+        for key in done:
+            future = self.loading.pop(key)
+            try:
+                weights = future.result()
+            except Exception as exc:
+                reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                self.failed[key] = reason
+                while len(self.failed) > MAX_FAILURES_KEPT:
+                    self.failed.popitem(last=False)
+                log.warning("LoRA adapter files %s failed to load: %s", key, reason)
+                continue
+            self.num_loads += 1
+            self.host[key] = weights
+            while len(self.host) > self.max_cpu_loras:
+                self.host.popitem(last=False)
 
     def _host_weights(self, lora: LoRARequest) -> tuple[float, dict] | None:
         """The adapter's host weights; None while being read. ``LoRALoadError`` if unreadable."""
-        lid = lora.lora_int_id
-        if lid in self.failed:
-            raise LoRALoadError(f"LoRA adapter {lora.lora_name!r}: {self.failed[lid]}")
-        if lid in self.host:
-            self.host.move_to_end(lid)
-            return self.host[lid]
+        key = self.content_key(lora)
+        self._collect(last=key)
+        if key in self.failed:
+            raise LoRALoadError(f"LoRA adapter {lora.lora_name!r}: {self.failed[key]}")
+        if key in self.host:
+            self.host.move_to_end(key)
+            return self.host[key]
         self.prefetch(lora)
-        future = self.loading[lid]
-        if not future.done():
-            return None
-        del self.loading[lid]
-        try:
-            weights = future.result()
-        except Exception as exc:
-            reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-            self.failed[lid] = reason
-            while len(self.failed) > MAX_FAILURES_KEPT:
-                self.failed.popitem(last=False)
-            log.warning("LoRA adapter %s (%s) failed to load: %s", lora.lora_name, lid, reason)
-            raise LoRALoadError(f"LoRA adapter {lora.lora_name!r}: {reason}") from None
-        self.num_loads += 1
-        self.host[lid] = weights
-        while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)
-        return weights
+        return None
 
     # --- device slots --------------------------------------------------------------------
     def slot_of(self, lora: LoRARequest | None) -> int:
@@ -148,6 +176,7 @@ class LoRAManager:
         self.slot_owner[slot] = lid
         self.slots[lid] = slot
         self.names[lid] = lora.lora_name
+        self.keys[lid] = self.content_key(lora)
         return True
 
     def _free_slot(self, busy: set[int]) -> int | None:
@@ -166,16 +195,16 @@ class LoRAManager:
         if slot is not None:
             self.slot_owner[slot] = None
             self.names.pop(lid, None)
+            self.keys.pop(lid, None)
 
-    def forget(self, lid: int) -> None:
-        """Drop adapter ``lid`` everywhere (no live request may use it): its slot, its host
-        weights, a read in flight, a remembered failure."""
-        self.release(lid)
-        self.host.pop(lid, None)
-        self.failed.pop(lid, None)
-        future = self.loading.pop(lid, None)
-        if future is not None:
-            future.cancel()
+    def forget(self, lora: LoRARequest) -> None:
+        """Drop adapter ``lora`` (no live request may use it): its slot, a remembered failure
+        of its files and their host weights, unless an adapter on a slot shares them."""
+        self.release(lora.lora_int_id)
+        key = self.content_key(lora)
+        self.failed.pop(key, None)
+        if key not in self.keys.values():
+            self.host.pop(key, None)
 
     def _write(self, slot: int, scaling: float, weights: dict) -> None:
         for layer, stacks in enumerate(self.stacks):

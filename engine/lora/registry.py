@@ -1,11 +1,13 @@
 """The adapters a pod serves, by name (the API's ``model``): each checked when added (its
-files against the base model) and given a pod-local int id, never reused."""
+files against the base model), given a pod-local int id, never reused, and the digest of its
+files (``lora.digest``)."""
 
 from __future__ import annotations
 
 import itertools
 import re
 
+from epdserve.engine.lora.digest import adapter_digest
 from epdserve.engine.lora.peft_files import inspect_adapter
 from epdserve.engine.lora.request import LoRARequest
 from epdserve.engine.lora.settings import parse_lora_module
@@ -46,7 +48,8 @@ class LoRARegistry:
                 f"({self.base_model_name!r})"
             )
         inspect_adapter(path, self.model_cfg, self.max_rank)
-        lora = LoRARequest(name, next(self._ids), str(path), base_model_name)
+        digest = adapter_digest(path)  # what the core checks its read against
+        lora = LoRARequest(name, next(self._ids), str(path), base_model_name, digest)
         self.adapters[name] = lora
         return lora
 

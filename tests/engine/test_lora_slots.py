@@ -28,7 +28,7 @@ def placed(manager: LoRAManager, lora: LoRARequest, busy=frozenset()) -> bool:
     while time.monotonic() < deadline:
         if manager.acquire(lora, set(busy)):
             return True
-        if lora.lora_int_id not in manager.loading:
+        if manager.content_key(lora) not in manager.loading:
             return False  # read, but no slot
         time.sleep(0.01)
     raise AssertionError("adapter never loaded")
@@ -85,10 +85,11 @@ def test_an_unloaded_adapter_leaves_its_slot_and_host_memory(setup):
     queues = SimpleNamespace(requests={"r": user})
     for lora in (a, b):
         apply_message(manager, queues, LoRAMessage("remove", lora))
-    assert manager.slot_of(a) == -1 and a.lora_int_id not in manager.host
-    assert manager.slot_of(b) == 1 and b.lora_int_id in manager.host
+    key_a, key_b = manager.content_key(a), manager.content_key(b)
+    assert manager.slot_of(a) == -1 and key_a not in manager.host
+    assert manager.slot_of(b) == 1 and key_b in manager.host
     apply_message(manager, queues, LoRAMessage("add", a))  # read again, ahead of requests
-    assert a.lora_int_id in manager.loading or a.lora_int_id in manager.host
+    assert key_a in manager.loading or key_a in manager.host
     manager.close()
 
 
