@@ -6,7 +6,8 @@ What a pod holds (``PodAdapters``) comes from two pages the load scrape reads: t
 running and waiting requests; vLLM keeps one sample per label set it ever had, so the newest
 one, the largest timestamp, is the pod's state now), and ``/v1/models`` (the base model first,
 then one entry per loaded adapter, with ``parent``) every ``list_interval`` seconds, and at
-once when the gauge names an adapter the list lacks. Only pods that export the gauge are
+once when the gauge names an adapter the list lacks (the gauge's names are comma-joined: the
+list tells a vLLM pod's adapter ``a,b`` from ``a`` and ``b``). Only pods that export the gauge are
 listed, or every pod when the router is configured for adapters.
 
 A request whose ``model`` names an adapter goes, in this order, to:
@@ -108,15 +109,20 @@ def parse_modules(items: list[str]) -> dict[str, str]:
             name, path = (name.strip(), path.strip()) if sep else (None, None)
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise ValueError(f"--lora-modules: NAME=PATH or a JSON object, got {item!r}")
+        if "," in name:  # the pods' lora_requests_info gauge joins names with commas
+            raise ValueError(f"--lora-modules: an adapter name cannot hold a comma: {name!r}")
         if name in out:
             raise ValueError(f"--lora-modules: {name!r} is given twice")
         out[name] = path
     return out
 
 
-def parse_lora_info(text: str) -> tuple[int, frozenset[str]] | None:
+def parse_lora_info(
+    text: str, listed: frozenset[str] | None = None
+) -> tuple[int, frozenset[str]] | None:
     """``(max_lora, adapters of running and waiting requests)`` from a /metrics page, from
-    its newest sample; None when the page has no such gauge. ValueError: malformed page."""
+    its newest sample; None when the page has no such gauge. ValueError: malformed page.
+    ``listed``: the pod's adapters, which tell a name with a comma from two names."""
     if LORA_INFO not in text:  # most pods: no adapters, no parse
         return None
     samples = [s for s in metrics_text.parse(text, only=(LORA_INFO,)) if s.name == LORA_INFO]
@@ -129,8 +135,27 @@ def parse_lora_info(text: str) -> tuple[int, frozenset[str]] | None:
         max_lora = 0
     names: set[str] = set()
     for label in ("running_lora_adapters", "waiting_lora_adapters"):
-        names.update(n for n in latest.labels.get(label, "").split(",") if 0 < len(n) <= MAX_NAME)
+        joined = latest.labels.get(label, "")
+        names.update(n for n in split_names(joined, listed) if 0 < len(n) <= MAX_NAME)
     return max_lora, frozenset(sorted(names)[:MAX_ADAPTERS])
+
+
+def split_names(joined: str, listed: frozenset[str] | None) -> list[str]:
+    """The adapter names of one of the gauge's labels. vLLM joins them with ',' and takes
+    names with commas (ours refuse them), so ``a,b`` may be one adapter: a run of pieces that
+    joins to a name the pod lists is that one name, the longest run first; other pieces are
+    names of their own (all of them, while the pod's list is not known)."""
+    pieces = joined.split(",")
+    widest = max((n.count(",") + 1 for n in listed or () if "," in n), default=1)
+    if widest == 1:
+        return pieces
+    names, i = [], 0
+    while i < len(pieces):
+        runs = range(min(len(pieces), i + widest), i + 1, -1)
+        end = next((j for j in runs if ",".join(pieces[i:j]) in listed), i + 1)
+        names.append(",".join(pieces[i:end]))
+        i = end
+    return names
 
 
 def parse_models(data) -> tuple[str | None, frozenset[str]]:

@@ -166,7 +166,7 @@ async def observe(
     ``/v1/models`` when due (see :mod:`lora`)."""
     policy = router.lora_policy
     try:
-        info = parse_lora_info(page)
+        info = parse_lora_info(page, state.adapters.listed)
     except ValueError:  # the load part of the scrape counts a broken page
         info = None
     if info is not None:
@@ -189,6 +189,9 @@ async def observe(
         log.debug("model list of %s not read: %s", state.name, exc)
     now = time.monotonic()  # a load may have finished meanwhile: change only the list
     state.adapters = dataclasses.replace(state.adapters, base=base, listed=listed, listed_at=now)
+    if info is not None and listed != view.listed:  # names with commas, read by the new list
+        running = parse_lora_info(page, listed)[1]
+        state.adapters = dataclasses.replace(state.adapters, running=running)
 
 
 def with_adapters(router: Router, raw: bytes) -> bytes:

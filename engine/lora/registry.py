@@ -13,8 +13,9 @@ from epdserve.engine.lora.request import LoRARequest
 from epdserve.engine.lora.settings import parse_lora_module
 from epdserve.engine.models.config import load_model_config
 
-# a name is a model id, a metrics label and a log field: printable, no spaces, bounded
-NAME = re.compile(r"[!-~]{1,256}")
+# a name is a model id, a metrics label and a log field: printable, no spaces, bounded; no
+# commas, as vllm:lora_requests_info joins a pod's names with them (a router splits on them)
+NAME = re.compile(r"[!-+\--~]{1,256}")
 MAX_ADAPTERS = 1024  # a pod's registry (runtime loads included) stays bounded
 
 
@@ -33,7 +34,7 @@ class LoRARegistry:
             raise ValueError("lora_name: must be a non-empty string")
         if not NAME.fullmatch(name):
             raise ValueError(
-                "lora_name: must be 1-256 printable ASCII characters without spaces, "
+                "lora_name: must be 1-256 printable ASCII characters without spaces or commas, "
                 f"got {name[:64]!r}"
             )
         if len(self.adapters) >= MAX_ADAPTERS:

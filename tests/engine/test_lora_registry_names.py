@@ -1,5 +1,6 @@
 """Adapter names are model ids, metrics labels and log fields: the registry refuses names
-with spaces or control characters, overlong ones, and more adapters than it can hold."""
+with spaces, commas (vllm:lora_requests_info joins names with them) or control characters,
+overlong ones, and more adapters than it can hold."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def setup(models, tmp_path_factory):
     return str(llama), str(path)
 
 
-@pytest.mark.parametrize("name", ["a\nb", "two words", "tab\there", "x" * 257, "é"])
+@pytest.mark.parametrize("name", ["a\nb", "two words", "tab\there", "x" * 257, "é", "a,b", ","])
 def test_bad_names_are_refused_naming_the_field(setup, name):
     model, path = setup
     reg = LoRARegistry(model, 64, "tiny")
@@ -26,10 +27,18 @@ def test_bad_names_are_refused_naming_the_field(setup, name):
     assert reg.adapters == {}
 
 
-@pytest.mark.parametrize("name", ["sql", "org/sql-lora", "v1.2_de", "x" * 256])
+@pytest.mark.parametrize("name", ["sql", "org/sql-lora", "v1.2_de", "x" * 256, "a+b", "a-b"])
 def test_usual_names_are_taken(setup, name):
     model, path = setup
     assert LoRARegistry(model, 64, "tiny").add(name, path).lora_name == name
+
+
+def test_lora_modules_with_a_comma_in_a_name_end_the_start(setup):
+    model, path = setup
+    reg = LoRARegistry(model, 64, "tiny")
+    with pytest.raises(ValueError, match="lora_modules: a,b: lora_name: .* commas"):
+        reg.add_modules([f"a,b={path}"])
+    assert reg.adapters == {}
 
 
 def test_the_registry_is_bounded(setup, monkeypatch):

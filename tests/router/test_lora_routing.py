@@ -47,6 +47,29 @@ def test_the_newest_lora_info_sample_is_the_pods_state():
     assert parse_lora_info("vllm:num_requests_running 1\n") is None
 
 
+def test_the_pods_list_tells_an_adapter_with_a_comma_from_two_adapters(lora_pods):
+    pod = lora_pods("a", ["a,b", "c"], max_lora=4)
+    pod.running_adapters = ["a,b", "c"]
+    text = pod.metrics_page()  # running_lora_adapters="a,b,c", as vLLM joins them
+    assert parse_lora_info(text, frozenset({"a,b", "c"})) == (4, frozenset({"a,b", "c"}))
+    assert parse_lora_info(text, frozenset({"a,b,c"})) == (4, frozenset({"a,b,c"}))
+    assert parse_lora_info(text, frozenset({"a", "b", "c"}))[1] == {"a", "b", "c"}
+    assert parse_lora_info(text)[1] == {"a", "b", "c"}  # list not known yet: pieces
+
+
+def test_a_pod_serving_a_comma_name_is_not_taken_for_a_holder_of_its_pieces(lora_pods):
+    vllm, other = lora_pods("vllm", ["a,b", "c"], max_lora=4), lora_pods("other", ["a"])
+    vllm.running_adapters = ["a,b", "c"]
+    router = make_router([vllm, other])
+
+    async def check(client):
+        return router.pod("vllm").adapters, await send(client, router, {"model": "a"})
+
+    view, (status, answer) = run(check, router)
+    assert view.running == {"a,b", "c"} and not view.holds("a") and not view.holds("b")
+    assert (status, answer["pod"]) == (200, "other")
+
+
 def test_the_model_list_names_the_base_and_the_adapters():
     pod = LoraPod("a", ["sql", "chat"])
     try:
@@ -170,7 +193,7 @@ def test_lora_flags_and_their_environment_make_the_policy():
     policy = config.adapter_policy()
     assert policy.sources == {"sql": "/a/sql", "chat": "/a/chat"} and policy.dynamic
     assert parse_modules(['{"name": "x", "path": "/p", "base_model_name": "tiny"}']) == {"x": "/p"}
-    for bad in (["sql"], ["sql=/a", "sql=/b"], ['{"name": "x"}']):
+    for bad in (["sql"], ["sql=/a", "sql=/b"], ['{"name": "x"}'], ["a,b=/a/ab"]):
         with pytest.raises(ValueError, match="--lora-modules"):
             RouterConfig(endpoint=["http://h:1"], lora_modules=bad)
     assert not RouterConfig(endpoint=["http://h:1"]).adapter_policy().configured
