@@ -1,13 +1,17 @@
 """Fair tenants through the real router: tenant keys, the per-tenant fair queue in front of
 saturated pods, its bounds, and its metrics.
 
-The fairness test runs against a real ``epdserve serve`` pod (``--max-num-seqs 2``); the
-bounds tests hold slots with a STAND-IN pod's slow streams, so a request provably waits.
-Assertions are on admission order (the ``x-epdserve-admission`` header) and counts."""
+The fairness test runs against a real ``epdserve serve`` pod (``--max-num-seqs 2``), stopped
+(SIGSTOP) while the backlog builds, so the queue's order is set by the queue alone and not by
+how fast the pod drains it; the bounds tests hold slots with a STAND-IN pod's slow streams, so
+a request provably waits. Assertions are on admission order (the ``x-epdserve-admission``
+header) and counts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +49,7 @@ def wait_ready(url: str) -> None:
 
 def complete(url: str, key: str, max_tokens: int = 24) -> tuple[int, int]:
     """One completion with the official client; (admission ordinal, completion tokens)."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600)
     raw = client.completions.with_raw_response.create(
         model="tiny", prompt="the fair queue", max_tokens=max_tokens, temperature=0
     )
@@ -53,49 +57,78 @@ def complete(url: str, key: str, max_tokens: int = 24) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def real_router(module_spawn, models, keys_file):
+def real_pod(module_spawn, models):
     pod = module_spawn.serve(models.get("llama"), "--max-num-seqs", "2")
     module_spawn.wait_ready(pod)
+    return pod
+
+
+@pytest.fixture(scope="module")
+def real_router(module_spawn, real_pod, keys_file):
+    # while the fairness test holds the pod stopped: no scrapes (timed-out ones would take
+    # the pod out of rotation) and no queue timeouts, however slow the machine
     router = module_spawn.router(
-        [pod],
+        [real_pod],
         "--tenant-keys",
         keys_file,
         "--max-inflight-per-pod",
         "2",
         "--tenant-admission-header",
+        "--scrape-interval",
+        "600",
+        "--tenant-queue-timeout",
+        "600",
     )
     wait_ready(router.url)
     return router
 
 
-def test_a_light_tenant_overtakes_a_heavy_tenants_backlog_on_a_real_pod(module_spawn, real_router):
+@contextlib.contextmanager
+def stopped(pod):
+    """The pod's server stopped (SIGSTOP): requests sent to it wait, none finishes."""
+    pod.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        pod.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_light_tenant_overtakes_a_heavy_tenants_backlog_on_a_real_pod(
+    module_spawn, real_pod, real_router
+):
     url, metric = real_router.url, module_spawn.metric
 
     def depth(tenant):
         return metric(url, "epdserve_router:tenant_queue_depth", {"tenant": tenant})
 
-    with ThreadPoolExecutor(48) as pool:
+    def active():
+        return metric(url, "epdserve_router:fair_queue_active")
+
+    with ThreadPoolExecutor(44) as pool, stopped(real_pod):
+        # two heavy requests hold the pod's slots and cannot finish: the rest wait
         heavy = [pool.submit(complete, url, HEAVY) for _ in range(40)]
-        wait_until(lambda: depth("heavy") >= 30, "the heavy tenant's backlog")
+        wait_until(lambda: depth("heavy") == 38 and active() == 2, "the heavy backlog", 300)
         light = [pool.submit(complete, url, LIGHT) for _ in range(4)]
-        heavy_done = [f.result() for f in heavy]
-        light_done = [f.result() for f in light]
+        wait_until(lambda: depth("light") == 4, "the light requests queued", 300)
+    heavy_done = [f.result() for f in heavy]
+    light_done = [f.result() for f in light]
     # work-conserving: the heavy tenant's every request was served, in full
     assert [tokens for _, tokens in heavy_done] == [24] * 40
     assert [tokens for _, tokens in light_done] == [24] * 4
-    last_light = max(seq for seq, _ in light_done)
-    # FIFO would admit all ~30 queued heavy requests first; fair queueing alternates the
-    # two tenants from the light tenant's arrival, so most of that backlog comes after it
-    heavy_after = sum(1 for seq, _ in heavy_done if seq > last_light)
-    assert heavy_after >= 30 - 2 * len(light_done) - 4, (heavy_after, sorted(light_done))
-    ordinals = sorted(seq for seq, _ in heavy_done + light_done)
-    assert len(set(ordinals)) == 44  # every admission has its own ordinal
+    admitted = sorted(
+        [(seq, "heavy") for seq, _ in heavy_done] + [(seq, "light") for seq, _ in light_done]
+    )
+    assert len({seq for seq, _ in admitted}) == 44  # every admission has its own ordinal
+    order = [tenant for _, tenant in admitted]
+    # FIFO would admit the 38 waiting heavy requests first; fair queueing alternates the two
+    # tenants once a slot frees, so the light tenant's four come within the next eight
+    assert order[:2] == ["heavy", "heavy"] and order[2:10].count("light") == 4, order
     # the queue's metrics agree with what the clients saw
     assert metric(url, "epdserve_router:tenant_requests_admitted_total", {"tenant": "heavy"}) == 40
     assert metric(url, "epdserve_router:tenant_requests_admitted_total", {"tenant": "light"}) == 4
     assert metric(url, "epdserve_router:tenant_queue_seconds_count", {"tenant": "light"}) == 4
     assert depth("heavy") == 0 and depth("light") == 0
-    assert metric(url, "epdserve_router:fair_queue_active") == 0
+    wait_until(lambda: active() == 0, "every slot released")  # after each response's last byte
 
 
 def test_an_unknown_key_is_an_openai_401_and_a_tenant_key_is_not(real_router):
