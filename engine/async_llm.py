@@ -19,7 +19,11 @@ import zmq.asyncio
 from epdserve.engine.config import EngineConfig, encode_config
 from epdserve.engine.core.core_proc import ABORT, ADD, LORA, READY
 from epdserve.engine.core.engine_core import EngineCoreRequest
-from epdserve.engine.core.interfaces import EngineCoreOutputs, SchedulerStats
+from epdserve.engine.core.interfaces import (
+    MISSING_ITEM_STATUS,
+    EngineCoreOutputs,
+    SchedulerStats,
+)
 from epdserve.engine.core.pixel_cache import PixelSender
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
 from epdserve.engine.inputs.prompt import ProcessedPrompt
@@ -40,6 +44,10 @@ def core_threads_env() -> dict[str, str]:
         return {}
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"OMP_NUM_THREADS": str(max(1, (cpus or 1) - 1))}
+
+
+# the request-errors metric's cause of a core's error output, by its status (else "rejected")
+CORE_ERROR_CAUSES = {500: "engine_step", MISSING_ITEM_STATUS: "encoder_output_missing"}
 
 
 class EngineDeadError(RuntimeError):
@@ -223,8 +231,6 @@ class AsyncLLM:
                 out = await state.get()
                 yield out
                 if out.finished:
-                    if out.error and state.error_status == 503:
-                        raise EngineDeadError(out.error)
                     if out.error:
                         raise RequestFailedError(out.error, state.error_status)
                     break
@@ -278,7 +284,7 @@ class AsyncLLM:
                     state.error_cause = "output_processing"
                     continue
                 if out.error is not None:
-                    state.error_cause = "engine_step" if out.error_status == 500 else "rejected"
+                    state.error_cause = CORE_ERROR_CAUSES.get(out.error_status, "rejected")
                 if self.metrics:
                     self.metrics.on_tokens(state, len(out.new_token_ids), now)
             if stopped:

@@ -11,7 +11,12 @@ import time
 import torch
 
 from epdserve.engine.config import EngineConfig
-from epdserve.engine.core.interfaces import EngineCoreOutput, SchedulerStats
+from epdserve.engine.core.interfaces import (
+    MISSING_ITEM_STATUS,
+    EngineCoreOutput,
+    MissingPixelsError,
+    SchedulerStats,
+)
 from epdserve.engine.core.step_guard import maybe_fail
 from epdserve.engine.kv_transfer.setup import create_encoder_connector, resolve_identity
 from epdserve.engine.models.loader import load_vision_encoder
@@ -81,6 +86,9 @@ class EncoderCore:
                         finish_reason="abort",
                         error="the engine failed while serving this request "
                         f"({type(exc).__name__}: {exc})",
+                        error_status=MISSING_ITEM_STATUS
+                        if isinstance(exc, MissingPixelsError)
+                        else 500,
                     )
                 )
         return outputs

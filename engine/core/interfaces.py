@@ -9,6 +9,26 @@ import msgspec
 from epdserve.connectors.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from epdserve.engine.sampling_params import SamplingParams
 
+# the status of a request whose images' encoder outputs no store could give and whose pixels
+# this pod never got (evicted between the legs of a disaggregated pool): 503, so the router
+# sends that leg again with the images (the pod's answer says so, see entrypoints/openai)
+MISSING_ITEM_STATUS = 503
+
+
+class MissingPixelsError(ValueError):
+    """Images named without pixels whose encoder outputs no store could give. The runner
+    names the requests they belong to (``request_ids``); those fail alone, with
+    ``MISSING_ITEM_STATUS``, and the rest of the step runs again."""
+
+    def __init__(self, identifiers: list[str], request_ids: list[str] | None = None):
+        names = ", ".join(i[:16] for i in identifiers)
+        super().__init__(
+            f"image {names}: its encoder output is not in the shared store and this pod never "
+            "got its pixels; send the request again with its images"
+        )
+        self.identifiers = identifiers
+        self.request_ids = request_ids or []
+
 
 class MMFeature(msgspec.Struct, array_like=True):
     """One multimodal item of a request: identifier, placeholder span, processed pixels."""
@@ -100,7 +120,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = None  # for the next pod (P/D), on the last output
     ec_transfer_params: dict[str, Any] | None = None  # encoder pods: the items stored
     # the request failed (finish_reason "abort"): why, and the HTTP status the client gets
-    # (400: the core refused its input; 500: an exception while serving it)
+    # (400: the core refused its input; 500: an exception while serving it; 503: its images
+    # must be sent again, MISSING_ITEM_STATUS)
     error: str | None = None
     error_status: int = 500
 

@@ -8,6 +8,10 @@ sampled a token. A request whose solo step fails is the culprit: it alone finish
 error. A request caught in ``MAX_STRIKES`` failed batches is failed too, so a failure that
 only a combination of requests triggers cannot loop forever.
 
+A step that needs images no store could give and whose pixels the pod never got
+(``MissingPixelsError``) is no fault: it is rolled back and only the requests of those images
+fail, with 503 (their senders send them again, with the images).
+
 A ``schedule()`` that raises is undone the same way (``contain_schedule``): the request it
 was handling, when it can tell, fails alone; otherwise the batch it was building is
 isolated as above. Every running request is recomputed, the core lives.
@@ -25,7 +29,13 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from epdserve.engine.core.interfaces import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from epdserve.engine.core.interfaces import (
+    MISSING_ITEM_STATUS,
+    EngineCoreOutput,
+    MissingPixelsError,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from epdserve.engine.core.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -82,6 +92,10 @@ class StepGuard:
         """Roll back a step whose execution raised; error outputs for the culprits."""
         self.num_failed_steps += 1
         batch = scheduler.rollback(sched)
+        if isinstance(exc, MissingPixelsError) and exc.request_ids:
+            # not a fault: their images' outputs are gone; the rest of the batch runs again
+            log.warning("step rolled back: %s (requests %s)", exc, exc.request_ids)
+            return self.fail(scheduler, exc.request_ids, str(exc), MISSING_ITEM_STATUS)
         log.error(
             "step failed for a batch of %d requests (%s: %s); isolating",
             len(batch),
@@ -124,9 +138,10 @@ class StepGuard:
         return self.fail(scheduler, culprits, f"{type(exc).__name__}: {exc}")
 
     def fail(
-        self, scheduler: Scheduler, request_ids: list[str], reason: str
+        self, scheduler: Scheduler, request_ids: list[str], reason: str, status: int = 500
     ) -> list[EngineCoreOutput]:
-        """Finish ``request_ids`` with an error (their blocks are freed)."""
+        """Finish ``request_ids`` with an error (their blocks are freed); ``status`` is the
+        HTTP status their clients get."""
         names = {r: _named(scheduler, r) for r in request_ids}
         scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         outputs = []
@@ -142,6 +157,7 @@ class StepGuard:
                     [],
                     finish_reason="abort",
                     error=f"the engine failed while serving this request ({reason})",
+                    error_status=status,
                 )
             )
         return outputs

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from epdserve.common.cli_fields import add_fields, from_args, setting
 from epdserve.common.logs import FORMATS
+from epdserve.common.prompt_signing import PromptSigner, check_key
 
 # tool_parsers.PARSERS' names (not imported here: the flags stay cheap to build)
 TOOL_CALL_PARSERS = ("llama3_json", "hermes")
@@ -31,6 +32,12 @@ class ServeOptions:
     served_model_name: str | None = setting(None, "the model name clients use (default: MODEL)")
     api_key: str | None = setting(
         None, "require Authorization: Bearer KEY on /v1/*, /tokenize and /detokenize"
+    )
+    processed_prompt_key: str | None = setting(
+        None,
+        "the pool's key (a Secret; the operator sets EPDSERVE_PROCESSED_PROMPT_KEY): processed "
+        "prompts this pod returns are signed with it, and one it is sent is taken only if "
+        "signed with it (else 400)",
     )
     enable_auto_tool_choice: bool = setting(
         False, 'tool_choice "auto" reads tool calls out of the output (needs --tool-call-parser)'
@@ -112,6 +119,7 @@ class ServeOptions:
             )
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout: must be non-negative")
+        check_key(self.processed_prompt_key, "processed_prompt_key")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("enable_auto_tool_choice: requires --tool-call-parser")
 
@@ -211,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"epdserve serve: {exc}") from exc
     state = ServerState(config, name, opts.api_key, limits, image_limits, queued, http)
     state.serving.tool_parser_name = opts.auto_tool_parser
+    if opts.processed_prompt_key:
+        state.serving.inputs.signer = PromptSigner(opts.processed_prompt_key)
     serve(
         build_app(state),
         state,

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from epdserve.common.chat_parts import IMAGE_PART_TYPES, image_parts, template_messages
 from epdserve.common.chat_template import ChatTemplate
+from epdserve.common.prompt_signing import FIELD as SIGNATURE
+from epdserve.common.prompt_signing import PromptSigner
 from epdserve.engine.inputs.budget import check_request_pixels
 from epdserve.engine.inputs.image_processor import ImageProcessor, check_processor_kwargs
 from epdserve.engine.inputs.images import ImageLimits, LoadedImage, load_image_url_async
@@ -47,6 +49,7 @@ class InputProcessor:
             self.images = ImageProcessor(
                 model_dir, model_id, self.tok, max_images, processor_kwargs
             )
+        self.signer: PromptSigner | None = None  # the pool's key: wire prompts are signed
         images = self.images
         self.rules = PromptRules(
             self.tok.vocab_size,
@@ -155,7 +158,16 @@ class InputProcessor:
         return self.images.process(text, images, add_special_tokens, processor_kwargs)
 
     # --- a prompt processed upstream ----------------------------------------------------
-    def accept(self, wire) -> ProcessedPrompt:
+    def accept(self, wire, cache_salt: str | None = None) -> ProcessedPrompt:
         """A ``processed_prompt`` a previous pod (through the router) made: checked, taken
-        as is; its images are named only (their outputs are in the shared store)."""
-        return from_wire(wire, self.rules)
+        as is; its images are named only (their outputs are in the shared store). With the
+        pool's key, only one signed for this ``cache_salt`` is taken."""
+        prompt = from_wire(wire, self.rules)
+        if self.signer is not None:
+            self.signer.check(prompt.to_wire(), wire.get(SIGNATURE), cache_salt)
+        return prompt
+
+    def to_wire(self, prompt: ProcessedPrompt, cache_salt: str | None = None) -> dict:
+        """``prompt`` as the next pod takes it (signed with the pool's key, if any)."""
+        wire = prompt.to_wire()
+        return wire if self.signer is None else self.signer.sign(wire, cache_salt)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from epdserve.engine.inputs.hashing import salted_id
+
 # a multimodal identifier (blake3 hex), ``.<crop>`` for a pan-and-scan crop
 _MM_ID = re.compile(r"[0-9a-f]{64}(\.[1-9][0-9]?)?")
 
@@ -56,6 +58,13 @@ class ProcessedPrompt:
     items: list[PromptItem] = field(default_factory=list)
     text: str | None = None  # the prompt's text, when known (echo, logs)
 
+    def salt_items(self, cache_salt: str | None) -> None:
+        """Rename the items for a request of ``cache_salt`` (none: unchanged), so its
+        encoder outputs (cache, store keys, block-hash extra keys) share with no other salt."""
+        if cache_salt:
+            for item in self.items:
+                item.identifier = salted_id(item.identifier, cache_salt)
+
     def to_wire(self) -> dict:
         return {
             "prompt_token_ids": self.token_ids,
@@ -81,7 +90,7 @@ def from_wire(obj, rules: PromptRules, where: str = "processed_prompt") -> Proce
     image placeholder tokens, and every such run covered by an item."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: must be an object")
-    unknown = set(obj) - {"prompt_token_ids", "mm_items"}
+    unknown = set(obj) - {"prompt_token_ids", "mm_items", "signature"}  # signature: the caller's
     if unknown:
         raise ValueError(f"{where}.{sorted(unknown)[0]}: unknown field")
     ids = obj.get("prompt_token_ids")

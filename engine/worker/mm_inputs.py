@@ -6,9 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
-class MissingPixelsError(ValueError):
-    """An image named without pixels whose encoder output no store could give."""
+from epdserve.engine.core.interfaces import MissingPixelsError
 
 
 class EncoderOutputs:
@@ -38,12 +36,9 @@ class EncoderOutputs:
         todo = [f for f in features if f.identifier not in self.outputs]
         if not todo:
             return
-        for f in todo:
-            if not f.data:
-                raise MissingPixelsError(
-                    f"image {f.identifier[:16]}: its encoder output is not in the shared store "
-                    "and this pod never got its pixels; send the request again"
-                )
+        missing = [f.identifier for f in todo if not f.data]
+        if missing:
+            raise MissingPixelsError(missing)
         pixels = torch.stack(
             [
                 torch.from_numpy(

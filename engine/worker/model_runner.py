@@ -11,7 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from epdserve.engine.core.interfaces import ModelRunnerOutput, SchedulerOutput
+from epdserve.engine.core.interfaces import (
+    MissingPixelsError,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from epdserve.engine.core.kv_cache_groups import KVCacheSpec, make_kv_cache_spec
 from epdserve.engine.lora.batch import LoRABatch
 from epdserve.engine.models.decoder import AttentionMetadata, DecoderLM
@@ -153,7 +157,16 @@ class ModelRunner:
                 self.model.config.hidden_size,
                 self.model.dtype,
             )
-        outputs.encode(scheduled)
+        try:
+            outputs.encode(scheduled)
+        except MissingPixelsError as exc:  # those requests fail, not the step's others
+            gone = set(exc.identifiers)
+            exc.request_ids = [
+                r
+                for r, idxs in sched.scheduled_encoder_inputs.items()
+                if any(self.mm_features[r][i].identifier in gone for i in idxs)
+            ]
+            raise
         if not any(r in self.mm_features for r in inputs.order):
             return None
         embeds = self.model.embed_tokens(input_ids)

@@ -213,7 +213,10 @@ def test_a_processed_prompt_naming_an_image_no_store_has_fails_alone(pods):
         json={**text_only(body(url)), "processed_prompt": forged},
         timeout=60,
     )
-    assert resp.status_code == 500 and "never got its pixels" in resp.json()["error"]["message"]
+    # 503 asking for the images (the router sends the leg again with them), OpenAI's shape
+    assert resp.status_code == 503 and "never got its pixels" in resp.json()["error"]["message"]
+    assert resp.headers["retry-after"] == "1" and resp.headers["x-epdserve-resend"] == "images"
+    assert resp.json()["error"]["type"] == "ServiceUnavailableError"
     bad = {**forged, "mm_items": [{**forged["mm_items"][0], "offset": 0}]}
     resp = httpx.post(
         prefill.url + "/v1/chat/completions",

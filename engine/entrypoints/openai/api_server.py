@@ -27,6 +27,7 @@ from epdserve.engine.entrypoints.openai.delivery import (
 from epdserve.engine.entrypoints.openai.errors import (
     APIError,
     error_response,
+    failed_headers,
     from_value_error,
     validation_message,
 )
@@ -154,7 +155,7 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def failed(_: Request, exc: RequestFailedError):
-        return error_response(exc.status, str(exc))
+        return error_response(exc.status, str(exc), headers=failed_headers(exc.status))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):

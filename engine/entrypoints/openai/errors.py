@@ -17,6 +17,18 @@ TYPES = {
 }
 
 
+# A request's images must be sent again: the encoder outputs its processed prompt named are
+# in no store and the pod never got the pixels (the core's 503). The header tells the router
+# (router/processed.py, RESEND_HEADER) to send that leg once more with the images; any other
+# client sees a 503 with Retry-After.
+RESEND_HEADERS = {"Retry-After": "1", "X-Epdserve-Resend": "images"}
+
+
+def failed_headers(status: int) -> dict[str, str] | None:
+    """The headers of a request the engine failed with ``status``."""
+    return RESEND_HEADERS if status == 503 else None
+
+
 class APIError(Exception):
     def __init__(
         self,

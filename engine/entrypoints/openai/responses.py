@@ -126,7 +126,11 @@ async def full_response(serving: OpenAIServing, prep: Prepared, echo: bool) -> d
         "usage": usage(prep, acc),
         "kv_transfer_params": kv_transfer_params,
         "ec_transfer_params": ec_transfer_params,
-        **({"processed_prompt": prep.prompts[0].to_wire()} if prep.return_prompt else {}),
+        **(
+            {"processed_prompt": serving.inputs.to_wire(prep.prompts[0], prep.cache_salt)}
+            if prep.return_prompt
+            else {}
+        ),
     }
 
 

@@ -116,7 +116,7 @@ class OpenAIServing:
         constraint = await self._structured_outputs(req)
         try:
             if req.processed_prompt is not None:
-                prompts = [self.inputs.accept(req.processed_prompt)]
+                prompts = [self.inputs.accept(req.processed_prompt, req.cache_salt)]
             else:
                 prompts = await asyncio.to_thread(
                     self._completion_prompts, req.prompt, req.add_special_tokens
@@ -149,7 +149,7 @@ class OpenAIServing:
         try:
             options = render_options(req)  # checks chat_template_kwargs in both cases
             if req.processed_prompt is not None:
-                prompt = self.inputs.accept(req.processed_prompt)
+                prompt = self.inputs.accept(req.processed_prompt, req.cache_salt)
             else:
                 if self.role == "encoder" and not self.inputs.check_chat_images(messages):
                     raise ValueError("messages: an encoder pod serves requests with images only")
@@ -157,6 +157,7 @@ class OpenAIServing:
                     messages, options, req.mm_processor_kwargs, req.add_special_tokens
                 )
                 # pixels of the images the core does not hold: decoded now, so a bad image
+                prompt.salt_items(req.cache_salt)  # a tenant's images share with no other
                 # is this request's 400 (an image evicted before the send is made then)
                 missing = self.engine.pixels.missing(prompt.items)
                 if missing:
