@@ -9,6 +9,7 @@ import httpx
 
 from epdserve.common import metrics_text
 from epdserve.router.lora_route import observe
+from epdserve.router.proxy import REFUSED_STATUS, retry_after
 from epdserve.router.reconcile import restarted, resubscribe
 from epdserve.router.service import Router
 
@@ -46,7 +47,9 @@ async def _scrape(client: httpx.AsyncClient, router: Router, name: str, timeout:
         return
     try:
         response = await client.get(state.endpoint.url + "/metrics", timeout=timeout)
-        response.raise_for_status()
+        busy = retry_after(response.headers) if response.status_code == REFUSED_STATUS else None
+        if busy is None:
+            response.raise_for_status()
     except httpx.HTTPError as exc:
         router.metrics.scrape_errors.labels(name).inc()
         log.debug("scrape of %s failed: %s", name, exc)
@@ -58,6 +61,10 @@ async def _scrape(client: httpx.AsyncClient, router: Router, name: str, timeout:
             await _set_health(router, state, False)
         return
     state.scrape_timeouts = 0
+    if busy is not None:  # at its --limit-concurrency: busy, as a generation request's 503
+        router.metrics.scrape_errors.labels(name).inc()
+        state.mark_busy(busy)
+        return
     try:
         load = parse_load(response.text)
     except ValueError as exc:  # the pod answers, but its page cannot be read: load unknown

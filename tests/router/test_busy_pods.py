@@ -6,6 +6,7 @@ STAND-IN pods (``standin_pod.py``) answer ``--fail-status`` with ``--retry-after
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 
@@ -80,6 +81,28 @@ def test_with_every_pod_busy_the_client_gets_503_with_the_shortest_retry_after(s
         router.url, "epdserve_router:request_failures_total", {"reason": "all_busy"}
     )
     assert failures == 1
+
+
+def test_a_real_pod_at_its_concurrency_limit_is_busy_not_failed(spawn, model_dir):
+    """Past --limit-concurrency a pod answers 503 with Retry-After, like its admission bound:
+    the router rests it instead of counting a failure (uvicorn's plain 503 was one)."""
+    pod = spawn.serve(model_dir, "--limit-concurrency", "4", "--header-read-timeout", "600")
+    spawn.wait_ready(pod)
+    router = spawn.router([pod])
+    wait_ready(router.url, 1)
+    port = int(pod.url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
+    try:
+        r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
+    finally:
+        for s in idle:
+            s.close()
+    assert_busy_answer(r, "1")
+    errors = "epdserve_router:upstream_errors_total"
+    assert spawn.metric(router.url, errors, {"kind": "busy"}) >= 1
+    assert spawn.metric(router.url, errors, {"kind": "http_503"}) == 0
+    failures = {"reason": "all_busy"}
+    assert spawn.metric(router.url, "epdserve_router:request_failures_total", failures) == 1
 
 
 def test_a_pod_holding_max_pod_connections_requests_is_busy(spawn, model_dir):

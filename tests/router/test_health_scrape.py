@@ -1,5 +1,5 @@
-"""The /metrics scrape as a health check: a busy pod (slow answers) stays in rotation for a
-few timeouts; a pod that refuses connections leaves at once."""
+"""The /metrics scrape as a health check: a busy pod (slow answers, or 503 with Retry-After at
+its connection limit) stays in rotation; a pod that refuses connections leaves at once."""
 
 from __future__ import annotations
 
@@ -57,3 +57,18 @@ def test_a_refused_connection_takes_the_pod_out_at_once():
 
     scrape(router, refused)
     assert not router.pod("10.0.0.2:8000").healthy
+
+
+def test_a_pod_at_its_connection_limit_is_busy_not_unhealthy():
+    """Past --limit-concurrency a pod answers every route 503 with Retry-After: a rest for
+    that long, as for a generation request; a 503 without it is a failure."""
+    router = router_with("10.0.0.3:8000", "10.0.0.4:8000")
+    limited, broken = router.pod("10.0.0.3:8000"), router.pod("10.0.0.4:8000")
+
+    def answer(request):
+        retry = {"Retry-After": "1"} if request.url.host == "10.0.0.3" else {}
+        return httpx.Response(503, json={"error": {"code": 503}}, headers=retry)
+
+    scrape(router, answer)
+    assert limited.healthy and limited.down_until > 0 and limited.consecutive_failures == 0
+    assert not broken.healthy

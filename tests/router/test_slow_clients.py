@@ -1,5 +1,5 @@
 """Header and body read deadlines (``connectors/slow_clients.py``): on uvicorn's httptools
-and h11 protocols alike, in-process, and on the real router."""
+and h11 protocols alike, in-process, and on the real router; the router's concurrency limit."""
 
 from __future__ import annotations
 
@@ -117,3 +117,19 @@ def test_the_router_cuts_slow_headers_and_bodies(spawn, models):
     assert failures == 1
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     assert httpx.post(router.url + "/v1/completions", json=body, timeout=10).status_code == 200
+
+
+def test_past_its_concurrency_limit_the_router_answers_503_with_retry_after(spawn, models):
+    """In OpenAI's error shape with Retry-After (uvicorn's own is plain text without it)."""
+    pod = spawn.standin(models.get("llama"))
+    router = spawn.router([pod], "--limit-concurrency", "4", "--header-read-timeout", "600")
+    port = int(router.url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
+    try:
+        r = httpx.get(router.url + "/v1/models", timeout=30)
+    finally:
+        for s in idle:
+            s.close()
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    error = r.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and "concurrency" in error["message"]
