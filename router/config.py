@@ -157,7 +157,7 @@ class RouterConfig:
     tenant_queue_size: int = setting(256, "requests one tenant may have waiting (then 429)")
     tenant_queue_timeout: float = setting(30.0, "s a request may wait for a slot (then 503)")
     tenant_priority: bool = setting(
-        False, "set a tenant's configured priority as the request's priority field"
+        False, "set every request's priority field: its tenant's configured priority, else 0"
     )
     tenant_admission_header: bool = setting(
         False, "answer x-epdserve-admission: the request's admission ordinal (for tests, debugging)"
