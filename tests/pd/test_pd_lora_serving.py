@@ -7,6 +7,7 @@ another model's blocks, on either pod."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,6 +22,7 @@ from epdserve.engine.lora.random_adapters import write_random_adapters
 MODELS = ("lora0", "lora1", "tiny")  # the adapters first: the base model asks last
 MAX_TOKENS = 8
 CHAT = [{"role": "user", "content": "tell me about caches and adapters " * 3}]
+RUNTIME_LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def pool(models, redis_server, tmp_path_factory):
     try:
         with ThreadPoolExecutor(len(flags)) as workers:
             futures = {
-                name: workers.submit(ServerProcess, model, *f, api_key=None)
+                name: workers.submit(ServerProcess, model, *f, api_key=None, env=RUNTIME_LORA)
                 for name, f in flags.items()
             }
             for name, future in futures.items():
@@ -165,3 +167,55 @@ def test_a_streamed_adapter_completion_joins_to_the_colocated_text(pool):
         "".join(c.choices[0].text for c in chunks if c.choices)
         == (complete(colocated.url, "lora1", prompt)[0])
     )
+
+
+def adapter_path(pod: ServerProcess, name: str) -> str:
+    models = httpx.get(pod.url + "/v1/models", timeout=5).json()["data"]
+    return next(m["root"] for m in models if m["id"] == name)
+
+
+def load_on(pods, name: str, path: str | None) -> None:
+    """Unload ``name`` from each pod when ``path`` is None, else load it from ``path``."""
+    for pod in pods:
+        if path is None:
+            r = httpx.post(pod.url + "/v1/unload_lora_adapter", json={"lora_name": name})
+        else:
+            body = {"lora_name": name, "lora_path": path}
+            r = httpx.post(pod.url + "/v1/load_lora_adapter", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+
+
+def complete_once_listed(router: PDRouter, model: str, prompt: list[int]):
+    """``complete`` through the router once it knows a pod holds ``model`` (it reads the
+    pods' models now and then: until then it answers 404)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return complete(router.url, model, prompt)
+        except openai.NotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_an_adapter_reloaded_from_other_files_on_both_legs_never_meets_the_old_blocks(pool):
+    """The prefill pod holds the first files' blocks in its cache and in the shared store;
+    after the reload under the same name neither pod finds them, and the answer is the new
+    files' (lora1 on the colocated pod serves the same files)."""
+    colocated, prefill, decode, router = pool
+    prompt = prompts(seed=31, lengths=(70,))[0]
+    first, second = adapter_path(colocated, "lora0"), adapter_path(colocated, "lora1")
+    load_on((prefill, decode), "swap", first)
+    old = complete_once_listed(router, "swap", prompt)
+    assert old == complete(colocated.url, "lora0", prompt)
+    load_on((prefill, decode), "swap", None)
+    load_on((prefill, decode), "swap", second)
+    before = {pod: counters(pod) for pod in (prefill, decode)}
+    new = complete(router.url, "swap", prompt)
+    assert new == complete(colocated.url, "lora1", prompt) != old
+    on_prefill = grew(before[prefill], counters(prefill))
+    on_decode = grew(before[decode], counters(decode))
+    assert on_prefill["local_hits"] == 0 and on_decode["local_hits"] == 0
+    assert on_decode["external_hits"] == loadable_tokens(prompt)  # the new blocks, handed over
+    assert on_decode["load_failures"] == 0
+    load_on((prefill, decode), "swap", None)

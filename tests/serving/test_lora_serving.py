@@ -180,3 +180,35 @@ def test_chat_streams_name_the_adapter(client):
     chunks = list(stream)
     assert chunks and all(c.model == "lora1" for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+LONG = [(7 * i + 3) % 4000 + 10 for i in range(300)]  # full blocks at any block size <= 256
+
+
+def answer(client, model: str) -> tuple[tuple[str, ...], int]:
+    """The tokens ``model`` answers LONG with, and how many prompt tokens came from cache."""
+    out = client.completions.create(
+        model=model, prompt=LONG, max_tokens=6, temperature=0.0, logprobs=0
+    )
+    return tuple(out.choices[0].logprobs.tokens), out.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["unload-then-load", "load_inplace"])
+def test_an_adapter_reloaded_from_other_files_never_meets_the_old_files_blocks(
+    pod, client, adapters, inplace
+):
+    name = f"swapped-{int(inplace)}"
+    assert post(pod, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapters[0])})
+    old, _ = answer(client, name)
+    again, hit = answer(client, name)
+    assert again == old and hit > 0  # its own blocks are found again
+    if not inplace:
+        assert post(pod, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
+    body = {"lora_name": name, "lora_path": str(adapters[1]), "load_inplace": inplace}
+    assert post(pod, "/v1/load_lora_adapter", body).status_code == 200
+    new, cached = answer(client, name)
+    assert cached == 0  # the first files' blocks are another adapter's
+    assert new == answer(client, "lora1")[0] != old  # lora1 is served from the same files
+    assert answer(client, name) == (new, hit)  # and the new files' blocks are shared
+    assert post(pod, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
+
