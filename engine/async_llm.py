@@ -187,6 +187,7 @@ class AsyncLLM:
         label: str | None = None,
         lora_request=None,  # epdserve.engine.lora.LoRARequest: its adapter
         priority: int = 0,  # lower is served earlier (--scheduling-policy priority)
+        client: str | None = None,  # who sent it: the core's grammar compiles take turns by it
     ) -> AsyncIterator[StreamOutput]:
         """Stream a request's outputs; cancelling the iteration aborts the request.
         ``request_id`` must be the server's own (unique); ``label`` is the client's
@@ -217,6 +218,7 @@ class AsyncLLM:
                 label,
                 lora_request,
                 priority,
+                client,
             )
             frame = self._encode.encode(req)
             await self.input.send_multipart([self.core_identity, ADD, frame])

@@ -52,6 +52,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     label: str | None = None  # the client's X-Request-Id: logs and test fault injection only
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
     priority: int = 0  # lower is served earlier under --scheduling-policy priority
+    client: str | None = None  # who sent it (the API's peer): grammar compiles take turns by it
 
 
 class EngineCore:
@@ -202,7 +203,7 @@ class EngineCore:
         if req.sampling_params.structured_outputs is not None and not handed_over:
             # it waits in the queue until compiled; a prefill pod's one token is dropped (the
             # decode pod samples the first token itself), so it needs no grammar
-            self.structured.add(request)
+            self.structured.add(request, req.client)
 
     def _kv_transfer_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
         if self.config.role == "prefill" and not params:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from epdserve.engine.structured.params import StructuredOutputsParams
 from epdserve.engine.structured.schema_check import check_schema, tag_schemas
+from epdserve.engine.structured.schema_cost import SchemaCost
 
 # JSON mode (``json_object``) means an object, as OpenAI documents it, not any JSON value
 JSON_OBJECT = '{"type": "object"}'
@@ -98,8 +99,9 @@ _VALID_LOCK = threading.Lock()  # validate runs in worker threads
 
 
 def validate(params: StructuredOutputsParams, field: str | None = None) -> None:
-    """``ValueError("<field>: ...")`` when the spec does not build a grammar, or a JSON
-    schema in it has keywords the grammar would not enforce (``schema_check``)."""
+    """``ValueError("<field>: ...")`` when the spec does not build a grammar, a JSON schema
+    in it has keywords the grammar would not enforce (``schema_check``), or its schemas would
+    take too long to compile (``schema_cost``)."""
     key = params.key()
     with _VALID_LOCK:
         if key in _VALID:  # the same spec again (the common case): checked already
@@ -109,10 +111,12 @@ def validate(params: StructuredOutputsParams, field: str | None = None) -> None:
     schemas = [params.json] if params.kind == "json" else []
     if params.kind == "structural_tag":
         schemas = tag_schemas(params.structural_tag)
-    spent = [0]  # one pattern-cost budget for all of a tag's schemas
+    spent, cost = [0], SchemaCost()  # one budget of each kind for all of a tag's schemas
     try:
         for schema in schemas:  # keywords xgrammar would ignore, patterns too costly to build
             check_schema(schema, spent)
+            cost.add(schema)
+        cost.check()  # checked before the build: an over-long one costs nothing more
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
     try:

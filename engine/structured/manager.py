@@ -2,21 +2,26 @@
 request, each step's token bitmask for the requests that sample under a grammar.
 
 A request with a grammar waits in the queue (others keep stepping) until its grammar is
-compiled; compiled grammars are shared by spec (``StructuredOutputsParams.key()``). A spec
-that fails to compile, or takes longer than ``compile_timeout_s``, fails its request with a
-400 naming the field.
+compiled; compiled grammars are shared by spec (``StructuredOutputsParams.key()``). Compiles
+run in two lanes (compile_queue.py): cheap specs in one, the rest in the other, each lane
+taking its clients in turn. A spec that fails to compile, or takes longer than
+``compile_timeout_s``, fails its request with a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from epdserve.engine.structured.backend import Compiler, tokenizer_info
+from epdserve.engine.structured.compile_queue import CompileJob, CompileLane
+from epdserve.engine.structured.schema_check import tag_schemas
+from epdserve.engine.structured.schema_cost import SchemaCost
 
 if TYPE_CHECKING:
     from epdserve.engine.core.interfaces import SchedulerOutput
@@ -27,6 +32,28 @@ log = logging.getLogger("epdserve.structured")
 
 CACHE_ENTRIES = 256  # compiled grammars kept (each ~10 kB - 1 MB)
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
+# the cheap lane: specs of at most SMALL_SPEC_BYTES whose estimate is at most SMALL_COST
+# (schema_cost.py: ~5 ms) and whose patterns cost at most SMALL_PATTERN_COST (pattern_cost.py)
+SMALL_SPEC_BYTES = 4096
+SMALL_COST = 100_000_000
+SMALL_PATTERN_COST = 40_000
+SHARED_CLIENT = ""  # requests that name no client share one turn
+
+
+def is_small(params: StructuredOutputsParams) -> bool:
+    """Whether a spec compiles in milliseconds (its lane: ``small``)."""
+    kind = params.kind
+    if kind == "json_object":
+        return True
+    if len(params.spec_text().encode()) > SMALL_SPEC_BYTES:
+        return False
+    cost = SchemaCost()
+    if kind == "json":
+        cost.add(params.json)
+    elif kind == "structural_tag":
+        for schema in tag_schemas(params.structural_tag):
+            cost.add(schema)
+    return cost.total <= SMALL_COST and cost.pattern_units <= SMALL_PATTERN_COST
 
 
 class GrammarState:
@@ -46,6 +73,8 @@ class GrammarState:
             if time.monotonic() > self.deadline:
                 raise ValueError(f"{self.field}: the grammar did not compile in time")
             return False
+        if self.future.cancelled():  # the engine is closing
+            raise ValueError(f"{self.field}: the grammar compile was cancelled")
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(self.future.result())  # re-raises a compile error
@@ -76,38 +105,59 @@ class StructuredOutputManager:
         self.stop_token_ids = list(stop_token_ids)
         self.max_rows = max_rows
         self.compile_timeout_s = compile_timeout_s
-        # one thread: compiles queue behind each other, never behind the step loop
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._compiler: Compiler | None = None  # built by the pool thread on first use
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        # two lanes, so a cheap spec never waits behind a large one; each takes its clients
+        # in turn and drops compiles nobody waits for (compile_queue.py)
+        self._lock = threading.Lock()
+        self.lanes = {
+            name: CompileLane(name, lambda p: self._compile(p), self._lock)
+            for name in ("small", "large")
+        }
+        self._compiler: Compiler | None = None  # built by the first compile
+        self._compiler_lock = threading.Lock()
+        self._cache: OrderedDict[tuple, CompileJob] = OrderedDict()
         self._bitmask = None  # [max_rows, ceil(vocab / 32)] int32, allocated on first use
         self._batch = None  # xgrammar's batch matcher: fills every row in one call
         self._live: dict[str, Request] = {}  # the requests with a grammar, not yet seen gone
         self.compiles = 0
         self.cache_hits = 0
 
-    def add(self, request: Request) -> None:
-        """Start (or share) the compile of a new request's grammar."""
+    @property
+    def dropped(self) -> int:
+        """Compiles dropped because every request waiting for them had gone."""
+        return sum(lane.dropped for lane in self.lanes.values())
+
+    def add(self, request: Request, client: str | None = None) -> None:
+        """Start (or share) the compile of a new request's grammar; ``client`` (who sent it)
+        takes turns with the other clients of its lane."""
         params = request.params.structured_outputs
         key = params.key()
-        future = self._cache.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, params)
-            self._cache[key] = future
-            self.compiles += 1
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-            self.cache_hits += 1
+        with self._lock:  # a lane's thread may be dropping this very job
+            job = self._cache.get(key)
+            if job is None or job.future.cancelled():
+                job = self._queue(key, params, client, request)
+            else:
+                job.waiters.append(request)
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
         deadline = time.monotonic() + self.compile_timeout_s
-        request.grammar = GrammarState(future, deadline, f"structured_outputs.{params.kind}")
+        field = f"structured_outputs.{params.kind}"
+        request.grammar = GrammarState(job.future, deadline, field)
         self._live[request.request_id] = request
 
+    def _queue(self, key, params, client, request) -> CompileJob:
+        job = CompileJob(params, client or SHARED_CLIENT, request)
+        self.lanes["small" if is_small(params) else "large"].put(job)
+        self._cache[key] = job
+        self.compiles += 1
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return job
+
     def _compile(self, params: StructuredOutputsParams):
-        if self._compiler is None:
-            info = tokenizer_info(self.model_dir, self.vocab_size, self.stop_token_ids)
-            self._compiler = Compiler(info, threads=min(4, os.cpu_count() or 1))
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = tokenizer_info(self.model_dir, self.vocab_size, self.stop_token_ids)
+                self._compiler = Compiler(info, threads=min(4, os.cpu_count() or 1))
         start = time.perf_counter()
         compiled = self._compiler.compile(params)
         log.debug("compiled a %s grammar in %.3f s", params.kind, time.perf_counter() - start)
@@ -142,4 +192,5 @@ class StructuredOutputManager:
         return self._bitmask[: len(requests)].numpy().tobytes()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for lane in self.lanes.values():
+            lane.close()

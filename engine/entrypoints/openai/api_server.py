@@ -231,6 +231,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if label is not None:  # a label only (logs, the echo); the engine's id is our own
             _check_request_id(label)
             prep.label = label
+        prep.client = raw.client.host if raw.client else None  # grammar compiles' turns
         headers = {"X-Request-Id": label or prep.request_id}
         echo = bool(getattr(req, "echo", False))
         state.admission.admit(prep.num_seqs)  # or 503 + Retry-After: the router tries another

@@ -49,6 +49,7 @@ class Prepared:
         self.echo_text = ""  # chat: the assistant's last message, when it is continued
         self.request_id = new_request_id(kind)
         self.label: str | None = None  # the client's X-Request-Id: logs and the echo only
+        self.client: str | None = None  # its peer's address: grammar compiles take turns by it
         self.created = int(time.time())
         # the answer carries the processed prompt, for the next pod of a disaggregated pool
         self.return_prompt = False
@@ -247,6 +248,7 @@ class OpenAIServing:
                 prep.label,
                 lora_request=prep.lora_request,
                 priority=prep.priority,
+                client=prep.client,
             ):
                 yield 0, out
             self._count_adapter(prep)
@@ -264,6 +266,7 @@ class OpenAIServing:
                     label=prep.label,
                     lora_request=prep.lora_request,
                     priority=prep.priority,
+                    client=prep.client,
                 ):
                     await queue.put((i, out))
             except Exception as exc:  # surfaced to the consumer below
