@@ -12,10 +12,9 @@ from pathlib import Path
 
 import blake3
 
-from epdserve.engine.lora.peft_files import CONFIG_FILE, WEIGHTS_FILE
+from epdserve.engine.lora.peft_files import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
 
 DIGEST_CHARS = 32  # hex of 128 bits
-MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 CHUNK = 8 << 20
 
 
@@ -50,8 +49,9 @@ def read_weights(path: str | Path) -> tuple[bytes, str]:
 
 
 def adapter_digest(path: str | Path) -> str:
-    """The digest of the adapter directory ``path`` (its weights streamed, not held);
-    ``ValueError`` naming ``lora_path`` when a file cannot be read."""
+    """The digest of the adapter directory ``path`` (its weights streamed, not held; call it
+    after ``inspect_adapter``, which refuses what is not a regular file); ``ValueError``
+    naming ``lora_path`` when a file cannot be read."""
     root = Path(path)
     try:
         config = read_config_bytes(root)
