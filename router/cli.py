@@ -19,6 +19,7 @@ ROLE_LABEL = "epdserve.io/role"
 
 def build(config: RouterConfig):
     """The FastAPI app for this config (tests call this too)."""
+    from epdserve.common.prompt_signing import PromptSigner
     from epdserve.router.app import build_app
     from epdserve.router.disagg import DisaggRouters
     from epdserve.router.discovery import KubernetesDiscovery, RoleDiscovery, StaticDiscovery
@@ -56,7 +57,9 @@ def build(config: RouterConfig):
 
     def disagg_routers() -> DisaggRouters:
         encoder = new_router("encoder", make_strategy("least-load"))
-        return DisaggRouters(new_router("prefill"), new_router("decode"), encoder)
+        key = c.processed_prompt_key
+        signer = PromptSigner(key) if key else None
+        return DisaggRouters(new_router("prefill"), new_router("decode"), encoder, signer)
 
     router = new_router()
     disagg = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from epdserve.common.cli_fields import setting
 from epdserve.common.logs import FORMATS, LEVELS
+from epdserve.common.prompt_signing import check_key
 from epdserve.router.lora import AdapterPolicy, parse_modules
 from epdserve.router.strategy import STRATEGIES
 
@@ -136,6 +137,11 @@ class RouterConfig:
     api_key: str | None = setting(
         None, "require Authorization: Bearer KEY on every route but /health, /ready, /metrics"
     )
+    processed_prompt_key: str | None = setting(
+        None,
+        "the pool's processed-prompt key (a Secret; EPDSERVE_PROCESSED_PROMPT_KEY), which its "
+        "pods have too: the prompts this router tokenizes for a prefill pod are signed with it",
+    )
     tenant_keys: str | None = setting(
         None,
         "tenants: a JSON or YAML file {tenants: [{name, weight, priority, keys}]} (a mounted "
@@ -209,6 +215,7 @@ class RouterConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
         if self.tenant_queue_size < 1 or self.tenant_queue_timeout <= 0:
             raise ValueError("--tenant-queue-size must be >= 1, --tenant-queue-timeout > 0")
+        check_key(self.processed_prompt_key, "--processed-prompt-key")
         self.tenancy()  # a bad tenant file or header name fails here
 
     def adapter_policy(self) -> AdapterPolicy:

@@ -26,7 +26,10 @@ A pod that returns no processed prompt (an older pod) leaves the next legs the r
 the client sent it. Only pod failures (refused, reset before the headers, 503: see
 ``proxy``) move a leg on: to the next ranked pod, and once a role has none left, past the
 encoder (the prefill and decode pods load the images themselves) or the prefill (the
-decode pod computes the prompt). Any other answer of any leg (4xx, 500, ...) and any failure
+decode pod computes the prompt). A prefill or decode pod that answers 503 asking for the
+images (the encoder outputs its processed prompt named were evicted from the store since the
+encoder leg: ``processed.needs_images``) gets that leg once more, with the client's images and
+no processed prompt. Any other answer of any leg (4xx, 500, ...) and any failure
 after a pod accepted the request go back to the client unchanged, so a request that breaks
 one pod never reaches another. A prefill answer without ``kv_transfer_params`` sends the
 request on without them; a request asking for ``prompt_logprobs`` skips the prefill.
@@ -47,11 +50,15 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from epdserve.common.prompt_signing import PromptSigner
 from epdserve.router.lora_route import prepare as prepare_adapter
 from epdserve.router.processed import (
     from_answer,
     has_images,
+    names_images,
+    needs_images,
     router_may_tokenize,
+    with_images,
     with_prompt,
 )
 from epdserve.router.proxy import (
@@ -76,6 +83,7 @@ class DisaggRouters:
     prefill: Router
     decode: Router
     encoder: Router | None = None
+    signer: PromptSigner | None = None  # the pool's key: the router's own prompts are signed
 
     def __post_init__(self) -> None:
         # an encoder pod's only cache is by image: whatever strategy its router was built
@@ -112,15 +120,21 @@ def decode_body(body: dict, prompt: dict | None, params: dict | None) -> dict:
     return {**out, "kv_transfer_params": params} if params else out
 
 
-def own_prompt(router: Router, path: str, body: dict) -> dict | None:
+def own_prompt(
+    router: Router, path: str, body: dict, signer: PromptSigner | None = None
+) -> dict | None:
     """The router's processed prompt of a text-only request, when ``router`` routes by
-    prefix and so tokenizes it anyway (None: it does not, or cannot)."""
+    prefix and so tokenizes it anyway (None: it does not, or cannot); signed with the pool's
+    key when the router has it."""
     if router.tokenizer is None or not router.strategy.uses_prefix:
         return None
     if not router_may_tokenize(path, body):
         return None
     ids = router.prompt_ids(path, body)
-    return {"prompt_token_ids": ids} if ids else None
+    if not ids:
+        return None
+    prompt = {"prompt_token_ids": ids}
+    return signer.sign(prompt, body.get("cache_salt")) if signer else prompt
 
 
 async def open_leg(client, router: Router, settings, path: str, body: dict, headers) -> Upstream:
@@ -170,6 +184,15 @@ async def read_leg(
     return (answer if isinstance(answer, dict) else {}), None
 
 
+def resend(router: Router, prompt: dict | None, status: int, headers) -> bool:
+    """Whether a leg goes once more with the images: its pod found the encoder outputs the
+    processed prompt named in no store (evicted since the encoder leg) and has no pixels."""
+    if not (names_images(prompt) and needs_images(status, headers)):
+        return False
+    router.metrics.upstream_retries.labels("resend_images").inc()
+    return True
+
+
 async def handle(
     client: httpx.AsyncClient,
     routers: DisaggRouters,
@@ -190,7 +213,9 @@ async def handle(
     params = None
     if body.get("prompt_logprobs") is None:  # decode pods recompute those prompts anyway
         if prompt is None:
-            prompt = await asyncio.to_thread(own_prompt, routers.prefill, path, body)
+            prompt = await asyncio.to_thread(
+                own_prompt, routers.prefill, path, body, routers.signer
+            )
         answer, early = await read_leg(
             client,
             routers.prefill,
@@ -200,6 +225,12 @@ async def handle(
             headers,
             "prefill",
         )
+        if early is not None and resend(routers.prefill, prompt, early.status_code, early.headers):
+            prompt = None  # the pod makes it again, from the images
+            again = prefill_body(with_images(body))
+            answer, early = await read_leg(
+                client, routers.prefill, settings, path, again, headers, "prefill"
+            )
         if early is not None:
             return early
         if answer is not None:
@@ -211,6 +242,10 @@ async def handle(
         upstream = await open_leg(
             client, routers.decode, settings, path, decode_body(body, prompt, params), headers
         )
+        if resend(routers.decode, prompt, upstream.response.status_code, upstream.response.headers):
+            await read_all(routers.decode, upstream)  # releases the pod
+            again = decode_body(with_images(body), None, params)
+            upstream = await open_leg(client, routers.decode, settings, path, again, headers)
     except ProxyError as exc:
         routers.decode.metrics.client_errors.labels(exc.reason).inc()
         return exc.response()

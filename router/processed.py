@@ -8,7 +8,13 @@ the images stripped from ``messages``, and those pods take it as is. A text-only
 get the router's own processed prompt (its ids, no items) when it tokenized it to route.
 
 The router checks only the shape it relies on; the pod checks the contents (vocabulary,
-placeholder spans, identifiers) as strictly as its own.
+placeholder spans, identifiers) as strictly as its own, and, in a pool with a processed-prompt
+key, the signature (common/prompt_signing.py): the pods sign what they return, the router
+signs the prompts it tokenizes itself.
+
+A pod that was sent a prompt naming images whose encoder outputs are in no store any more
+(evicted between the legs) answers 503 with ``RESEND_HEADER``: that leg goes once more with
+the client's images (``needs_images``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from hashlib import blake2b
 from epdserve.common.chat_parts import image_parts, image_urls, without_images
 
 FIELD = "processed_prompt"
+RESEND_HEADER = "x-epdserve-resend"  # engine/entrypoints/openai/errors.py RESEND_HEADERS
 
 
 def is_chat(path: str) -> bool:
@@ -27,6 +34,20 @@ def is_chat(path: str) -> bool:
 def has_images(path: str, body: dict) -> bool:
     """A chat request with at least one image part."""
     return is_chat(path) and next(image_parts(body.get("messages")), None) is not None
+
+
+def needs_images(status: int, headers) -> bool:
+    """Whether a pod's answer asks for the request again with its images (not a busy 503)."""
+    return status == 503 and headers.get(RESEND_HEADER) == "images"
+
+
+def with_images(body: dict) -> dict:
+    """``body`` as the client sent it, less any processed prompt: the pod loads the images."""
+    return {k: v for k, v in body.items() if k != FIELD}
+
+
+def names_images(prompt: dict | None) -> bool:
+    return bool(prompt and prompt.get("mm_items"))
 
 
 def from_answer(answer: object) -> dict | None:

@@ -8,9 +8,11 @@ pod's failure backoff. A *busy* pod (503 with ``Retry-After``: its admission bou
 reached; or this router already holds ``max_pod_connections`` requests on it) is skipped
 without counting as a failure: it is tried again after its Retry-After, and when every
 ranked pod is busy the client gets 503 with the shortest Retry-After.
-Any other answer (4xx, 500, ...) goes to the client unchanged, and an error after the
-request was accepted (a read timeout, a reset after the headers) is never retried: the
-request itself may be what broke the pod, and it must not take the next pod down too.
+A 503 that asks for the request again with its images (``processed.needs_images``) is an
+answer, not a refusal. Any other answer (4xx, 500, ...) goes to the client unchanged, and an
+error after the request was accepted (a read timeout, a reset after the headers) is never
+retried: the request itself may be what broke the pod, and it must not take the next pod
+down too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse
 
 from epdserve.router.decisions import Charge
 from epdserve.router.pods import PodState
+from epdserve.router.processed import needs_images
 from epdserve.router.service import Router, Routing
 
 log = logging.getLogger(__name__)
@@ -248,7 +251,8 @@ async def _try_pod(client, pod: PodState, method, path, content, headers) -> Ups
             raise
         raise PodFailure(cause, str(exc) or type(exc).__name__) from exc
     try:
-        if response.status_code == REFUSED_STATUS:
+        # a 503 asking for the images is the pod's answer, not a refusal (router/disagg.py)
+        if response.status_code == REFUSED_STATUS and not needs_images(503, response.headers):
             wait = retry_after(response.headers)
             if wait is not None:
                 raise PodBusy("busy", wait)

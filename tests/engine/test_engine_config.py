@@ -20,7 +20,8 @@ from epdserve.engine.entrypoints import serve_cli
 # (block_size: None, resolved by device: 128 on cpu, 16 on cuda; stream_interval is new)
 SERVE_DEFAULTS = {
     "model": "m", "revision": None, "host": "127.0.0.1", "port": 8000,
-    "served_model_name": None, "api_key": None, "role": "both", "dtype": "float32",
+    "served_model_name": None, "api_key": None, "processed_prompt_key": None, "role": "both",
+    "dtype": "float32",
     "device": "auto", "gpu_memory_utilization": 0.9, "attention_backend": None,
     "max_model_len": None, "kv_cache_memory": None, "block_size": None, "max_num_seqs": 256,
     "max_num_batched_tokens": 2048, "scheduling_policy": "fcfs", "stream_interval": 1,

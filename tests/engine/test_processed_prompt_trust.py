@@ -122,3 +122,11 @@ def test_a_salted_request_names_its_images_apart_in_the_block_hash_extra_keys(in
         assert block > 0
         keys.append(req.block_extra_keys(block, block + 1)[0])
     assert keys == [(ids[0],), (ids[1],)]
+
+
+def test_serve_refuses_a_key_too_short_to_be_random():
+    from epdserve.engine.entrypoints.serve_cli import ServeOptions
+
+    with pytest.raises(ValueError, match="^processed_prompt_key must be at least 32"):
+        ServeOptions(processed_prompt_key="hunter2")
+    assert ServeOptions(processed_prompt_key=KEY).processed_prompt_key == KEY

@@ -29,7 +29,7 @@ ROUTER_DEFAULTS = {
     "lora_models_interval": 5.0, "tenant_keys": None, "tenant_header": None,
     "max_inflight_per_pod": 0, "tenant_reserve_per_pod": 0, "tenant_queue_size": 256,
     "tenant_queue_timeout": 30.0, "tenant_priority": False, "tenant_admission_header": False,
-    "api_key": None,
+    "api_key": None, "processed_prompt_key": None,
     "log_level": "info", "log_format": "text", "access_log": False,
 }  # fmt: skip
 POD = ["--endpoint", "http://127.0.0.1:1"]
@@ -69,6 +69,7 @@ def test_every_router_flag_is_also_a_variable_and_the_flag_wins(monkeypatch):
         ([*POD, "--max-pod-connections", "0"], "--max-pod-connections must be >= 1"),
         ([*POD, "--body-read-timeout", "0"], "--body-read-timeout must be > 0"),
         ([*POD, "--kv-events-max-message-bytes", "10"], "must be >= 1024"),
+        ([*POD, "--processed-prompt-key", "short"], "--processed-prompt-key must be at least"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_flag(argv, message, monkeypatch):
