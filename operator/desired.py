@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from epdserve.operator import cache, engine, kvevents, lora, meta, network, router, scalers
+from epdserve.operator import (
+    cache,
+    engine,
+    kvevents,
+    lora,
+    meta,
+    network,
+    prompt_key,
+    router,
+    scalers,
+)
 from epdserve.operator.spec import ROLES, PoolSpec
 
 # Kinds the operator owns, in apply order (ConfigMap before the pods that read it, RBAC
@@ -34,6 +44,8 @@ def generated_secrets(pool: PoolSpec) -> list[tuple[str, Callable[[], dict]]]:
     if kvevents.curve_enabled(pool):
         build = lambda: kvevents.build_curve_secret(pool, kvevents.new_curve_keys())  # noqa: E731
         out.append((kvevents.curve_secret_name(pool), build))
+    build = lambda: prompt_key.build_secret(pool, prompt_key.new_key())  # noqa: E731
+    out.append((prompt_key.secret_name(pool), build))
     return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from epdserve.operator import kvevents, lora, meta, source, tenancy
+from epdserve.operator import kvevents, lora, meta, prompt_key, source, tenancy
 from epdserve.operator.gpu import device_env
 from epdserve.operator.spec import SERVE_ROLE, PoolSpec
 from epdserve.operator.transfer import ec_transfer_config, kv_events_config, kv_transfer_config
@@ -92,7 +92,7 @@ def engine_env(pool: PoolSpec, role: str) -> list[dict]:
     if ec_transfer_config(pool, role) is not None:
         key = f"ec-transfer-{role}.json"
         env.append(_from_config("EPDSERVE_EC_TRANSFER_CONFIG", config_map, key))
-    env += redis_password_env(pool) + api_key_env(pool)
+    env += redis_password_env(pool) + api_key_env(pool) + prompt_key.key_env(pool)
     env += lora.list_env(pool.lora, config_map, role)
     env += [{"name": f"EPDSERVE_{k}", "value": str(v)} for k, v in sorted(pool.tuning.items())]
     user = [dict(e) for e in pool.roles[role].env]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epdserve.operator import kvevents, lora, meta, source, tenancy
+from epdserve.operator import kvevents, lora, meta, prompt_key, source, tenancy
 from epdserve.operator.engine import api_key_env, downward_env, model_claim, model_volumes
 from epdserve.operator.spec import PoolSpec
 
@@ -122,7 +122,8 @@ def build_router_deployment(pool: PoolSpec) -> dict:
             {"name": "HOME", "value": "/tmp"},
             {"name": "HF_HOME", "value": source.HF_HOME},
         ]
-        + api_key_env(pool),
+        + api_key_env(pool)
+        + prompt_key.key_env(pool),
         "ports": [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}],
         "resources": dict(router.resources),
         "volumeMounts": [

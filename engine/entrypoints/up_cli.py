@@ -1,7 +1,9 @@
 """``epdserve up``: a whole pool on one machine, no cluster — the main job of ``make run``.
 
 Starts, as local processes: a ``redis-server`` (disaggregated modes), the engine pods
-(``epdserve serve`` with KV events on), and the cache-aware router on the public port.
+(``epdserve serve`` with KV events on), and the cache-aware router on the public port. The
+pool's processed-prompt key is drawn afresh and reaches the engines and the router through
+their environment, as the operator's Secret does, never a command line.
 Ctrl-C (or SIGTERM) stops everything, children first.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 MODES = ("colocated", "pd", "epd")
+PROMPT_KEY_ENV = "EPDSERVE_PROCESSED_PROMPT_KEY"  # the serve and router flag's variable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +56,8 @@ class Pool:
     def __init__(self, workdir: Path):
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        # the pool's processed-prompt key, as the operator's Secret gives it to its pods
+        self.key_env = {PROMPT_KEY_ENV: secrets.token_hex(32)}
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (lives with the process)
@@ -179,7 +185,7 @@ def start_engine(pool: Pool, args, model: str, name: str, role: str, extra: list
     if role != "both":
         cmd += ["--role", role]
     say(f"starting {name} (role {role}) on 127.0.0.1:{port} ...")
-    pool.spawn(name, cmd, {"EPDSERVE_POD_IP": "127.0.0.1"})  # events on loopback only
+    pool.spawn(name, cmd, {"EPDSERVE_POD_IP": "127.0.0.1", **pool.key_env})  # events: loopback
     wait_http(pool, f"http://127.0.0.1:{port}/ready")
     say(f"{name} ready")
     return f"http://127.0.0.1:{port},events={ev},replay={rp}"
@@ -243,6 +249,7 @@ def start_pool(pool: Pool, args, model: str) -> None:
             args.strategy,
             *router_endpoints,
         ),
+        pool.key_env,
     )
     wait_http(pool, f"http://{args.host}:{args.port}/ready")
 

@@ -12,7 +12,7 @@ import yaml
 import zmq
 from ipool_samples import ROOT, example, pool_body
 
-from epdserve.operator import cache, engine, kvevents, router
+from epdserve.operator import cache, engine, kvevents, prompt_key, router
 from epdserve.operator.desired import desired_objects, generated_secrets
 from epdserve.operator.spec import InvalidSpec, parse_pool
 
@@ -100,7 +100,7 @@ def test_without_curve_no_pod_mounts_keys_and_no_key_secret_is_made(kv_events):
         assert curve_volume(dep) is None
         assert "EPDSERVE_KV_EVENTS_CURVE_DIR" not in env_of(dep)
         assert "--kv-events-curve-dir" not in container_of(dep)["command"]
-    assert [name for name, _ in generated_secrets(pool)] == ["p-redis"]
+    assert [name for name, _ in generated_secrets(pool)] == ["p-redis", "p-processed-prompt-key"]
 
 
 def test_curve_is_on_by_default():
@@ -123,15 +123,18 @@ def test_the_curve_secret_holds_two_z85_key_pairs_and_is_owned_by_the_pool():
 
 def test_each_generated_secret_draws_fresh_keys():
     pool = parse_pool(pool_body())
-    ((name, build),) = generated_secrets(pool)
-    assert name == "p-kv-events-curve"
-    assert build()["data"] != build()["data"]
+    names = []
+    for name, build in generated_secrets(pool):
+        names.append(name)
+        assert build()["data"] != build()["data"]
+    assert names == ["p-kv-events-curve", "p-processed-prompt-key"]
 
 
 def test_generated_secrets_follow_the_pool():
     assert [n for n, _ in generated_secrets(parse_pool(example("pd-redis")))] == [
         "llama-pd-redis",
         "llama-pd-kv-events-curve",
+        "llama-pd-processed-prompt-key",
     ]
 
 
@@ -175,8 +178,10 @@ SENSITIVE = ("PASSWORD", "TOKEN", "API_KEY", "SECRET")
 @pytest.mark.parametrize("cache_spec", [MANAGED, "external"], ids=["managed", "external"])
 def test_no_secret_value_reaches_any_object_but_its_secret(cache_spec, monkeypatch):
     password, keys = "pw-5e1b0c2f-never-elsewhere", kvevents.new_curve_keys()
+    signing = "pk-0c4f9a7e-never-elsewhere"
     monkeypatch.setattr(cache, "new_password", lambda: password)
     monkeypatch.setattr(kvevents, "new_curve_keys", lambda: keys)
+    monkeypatch.setattr(prompt_key, "new_key", lambda: signing)
     if cache_spec == "external":  # with a user name: it stays in the URL, the password not
         redis = {"url": "redis://app@r.cache:6379/0", "passwordSecretRef": {"name": "rs"}}
         cache_spec = {"backend": "redis", "redis": redis}
@@ -190,7 +195,7 @@ def test_no_secret_value_reaches_any_object_but_its_secret(cache_spec, monkeypat
     pool = parse_pool(body)
     secrets = [build() for _, build in generated_secrets(pool)]
     secret_text = json.dumps(secrets)
-    values = [k.decode() for k in keys.values()]
+    values = [k.decode() for k in keys.values()] + [signing]
     if cache_spec is MANAGED:  # an external server's password is never known to the operator
         values.append(password)
     assert all(base64.b64encode(v.encode()).decode() in secret_text for v in values)
