@@ -30,7 +30,10 @@ def setup_lora(state) -> None:
     registry = LoRARegistry(config.model, config.max_lora_rank, state.model_name)
     registry.add_modules(config.lora_modules)
     state.serving.loras = registry
-    state.metrics.lora = LoRAMetrics(state.metrics.registry, config.max_loras, state.metrics.labels)
+    metrics = state.metrics
+    metrics.lora = LoRAMetrics(
+        metrics.registry, config.max_loras, metrics.labels, registry.adapters
+    )
     state.lora_lock = asyncio.Lock()
 
 
@@ -76,6 +79,8 @@ def install_lora_routes(app: FastAPI, state) -> None:
             try:  # the adapter's config and header are read off the event loop
                 lora = await asyncio.to_thread(registry.add, req.lora_name, req.lora_path)
             except ValueError as exc:
+                if registry.get(req.lora_name) is None:  # an in-place load that failed
+                    state.metrics.lora.on_unloaded(req.lora_name)
                 param = "lora_name" if str(exc).startswith("lora_name") else "lora_path"
                 raise APIError(400, str(exc), param) from None
             await state.engine.send_lora("add", lora)  # the core reads it now
@@ -91,6 +96,7 @@ def install_lora_routes(app: FastAPI, state) -> None:
                 raise APIError(
                     404, f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name"
                 )
+            state.metrics.lora.on_unloaded(req.lora_name)
             await state.engine.send_lora("remove", lora)
         log.info("unloaded LoRA adapter %s", req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
