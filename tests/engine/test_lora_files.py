@@ -4,6 +4,7 @@ refused at inspection with a message naming the problem."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 
@@ -75,7 +76,7 @@ def test_make_model_cli_writes_adapters(tmp_path):
 def test_inspection_reads_rank_scaling_and_every_module(llama, adapters):
     spec = inspect_adapter(adapters[0], load_model_config(llama), 16)
     assert (spec.rank, spec.scaling, len(spec.modules)) == (8, 2.0, 7)
-    weights = load_adapter(spec)
+    weights = load_adapter(spec, (adapters[0] / WEIGHTS_FILE).read_bytes())
     a, b = weights[3, "down_proj"]
     assert a.shape == (8, 384) and b.shape == (128, 8) and a.dtype == torch.float32
 
@@ -233,3 +234,14 @@ def test_a_config_file_is_read_only_up_to_its_cap(llama, adapters, tmp_path):
     assert inspect_adapter(path, load_model_config(llama), 16).rank == 8  # at the cap: read
     (path / "adapter_config.json").write_bytes(text.ljust(MAX_CONFIG_BYTES + 1, b" "))
     refused(path, llama, f"adapter_config.json: larger than {MAX_CONFIG_BYTES} bytes")
+
+
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+def test_a_config_that_is_not_a_regular_file_is_refused_unread(llama, adapters, tmp_path, special):
+    path = copy_adapter(adapters[0], tmp_path)
+    (path / "adapter_config.json").unlink()
+    if special == "fifo":  # no writer: a blocking read would wait forever
+        os.mkfifo(path / "adapter_config.json")
+    else:  # endless: read whole, it would take all memory
+        (path / "adapter_config.json").symlink_to(special)
+    refused(path, llama, "adapter_config.json: not a regular file")
