@@ -130,10 +130,7 @@ def _lora_tensors(
 def _read_config(root: Path) -> dict:
     """``adapter_config.json`` as a dict: at most ``MAX_CONFIG_BYTES`` are read (a bigger
     file is refused, so a huge one costs no memory) and nesting is bounded before parsing."""
-    file = root / CONFIG_FILE
-    if not file.is_file():
-        raise ValueError(f"{CONFIG_FILE}: missing in {_clip(str(root))}")
-    with _open_regular(file) as f:
+    with _open_regular(root / CONFIG_FILE) as f:
         data = f.read(MAX_CONFIG_BYTES + 1)
     if len(data) > MAX_CONFIG_BYTES:
         raise ValueError(f"{CONFIG_FILE}: larger than {MAX_CONFIG_BYTES} bytes")
@@ -188,7 +185,7 @@ def _config_values(raw: dict, max_rank: int) -> tuple[int, float, tuple[str, ...
 def _read_header(file: Path) -> dict:
     """The safetensors header (name -> dtype, shape, data_offsets), checked by safetensors'
     rules (``safetensors_header``)."""
-    if not file.is_file():
+    if not file.exists():
         pickled = file.with_suffix(".bin")
         hint = f" ({pickled.name} is not read: pickle)" if pickled.exists() else ""
         raise ValueError(f"{WEIGHTS_FILE}: missing in {_clip(str(file.parent))}{hint}")
@@ -197,10 +194,12 @@ def _read_header(file: Path) -> dict:
 
 
 def _open_regular(file: Path) -> BinaryIO:
-    """``file`` open for reading, refused unless it is a regular file (a FIFO swapped in
-    after ``is_file`` would otherwise block the read, and the LoRA lock, forever)."""
+    """``file`` open for reading, refused unless it is a regular file (a FIFO would block
+    the read, and the LoRA lock, forever; a device such as /dev/zero never ends)."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ValueError(f"{file.name}: missing in {_clip(str(file.parent))}") from None
     except OSError as exc:
         raise ValueError(f"{file.name}: cannot be opened ({exc.strerror})") from None
     f = os.fdopen(fd, "rb")
