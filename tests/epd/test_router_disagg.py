@@ -16,7 +16,7 @@ from serving_support import ServerProcess, free_port, wait_ready
 
 
 class RouterProcess:
-    def __init__(self, model: str, *flags: str):
+    def __init__(self, model: str, *flags: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
@@ -34,6 +34,7 @@ class RouterProcess:
                 *flags,
             ],
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         try:
             wait_ready(self.url, self.proc, 60)
