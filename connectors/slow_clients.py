@@ -198,12 +198,23 @@ class BodyReadTimeout:
                 await _send_error(send, 408, "request body was not received in time")
 
 
+# Kubernetes probes: a pod at its limit is busy, not dead or unready, so a GET of these is
+# answered within a small allowance over the limit (a liveness probe that failed there would
+# restart a saturated pod and lose every request it holds)
+PROBE_PATHS = frozenset({"/health", "/ready"})
+PROBE_ALLOWANCE = 16
+
+
 def _concurrency_guard(app, connections: set, tasks: set, limit: int):
     """``app`` behind uvicorn's limit_concurrency test (this request's task is already in
-    ``tasks``), refusing with 503 + Retry-After past it."""
+    ``tasks``), refusing with 503 + Retry-After past it; probes get ``PROBE_ALLOWANCE``
+    more."""
 
     async def guarded(scope, receive, send) -> None:
-        if scope["type"] == "http" and (len(connections) >= limit or len(tasks) > limit):
+        bound = limit
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in PROBE_PATHS:
+            bound += PROBE_ALLOWANCE
+        if scope["type"] == "http" and (len(connections) >= bound or len(tasks) > bound):
             log.warning("exceeded the concurrency limit (%d): 503", limit)
             message = f"the server is at its concurrency limit ({limit}); retry later"
             await _send_error(send, 503, message, "ServiceUnavailableError", None, b"1")

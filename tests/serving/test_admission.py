@@ -124,6 +124,9 @@ def test_beyond_limit_concurrency_the_answer_is_503_with_retry_after(pod):
         r = httpx.get(pod.url + "/v1/models", headers=AUTH, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == 503 and "concurrency" in r.json()["error"]["message"]
+        # the kubelet's probes still pass: a saturated pod is busy, not dead (no restart)
+        assert httpx.get(pod.url + "/health", timeout=30).status_code == 200
+        assert httpx.get(pod.url + "/ready", timeout=30).status_code == 200
     finally:
         for s in idle:
             s.close()
