@@ -127,3 +127,15 @@ def test_a_request_finishing_after_its_adapter_is_unloaded_brings_no_series_back
     waiter.join(60)
     assert status == [200]  # served after the unload, with the files it was loaded from
     assert "late" not in adapter_series(pod)
+
+
+def test_a_failed_in_place_load_that_leaves_the_name_unserved_drops_its_series(
+    pod, adapters, tmp_path
+):
+    body = {"lora_name": "swap", "lora_path": str(adapters[2])}
+    assert post(pod, "/v1/load_lora_adapter", body) == 200
+    assert complete(pod, "swap") == 200 and "swap" in adapter_series(pod)
+    body = {"lora_name": "swap", "lora_path": str(tmp_path / "none"), "load_inplace": True}
+    assert post(pod, "/v1/load_lora_adapter", body) == 400  # the old one is gone too
+    assert complete(pod, "swap") == 404
+    assert "swap" not in adapter_series(pod)
