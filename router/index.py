@@ -12,8 +12,7 @@ cache; vLLM's "GPU"/"CPU") and ``store`` (``medium == "STORE"``: blocks the pod 
 pool's shared store, which every pod of the pool can load).
 
 An adapter's blocks are rooted by its name and, from our pods, the digest of its files
-(``lora_digest``); the index remembers each pod's latest digest per adapter name, so a request
-is keyed as that pod would key it.
+(``lora_digest``, see :mod:`.adapter_versions`).
 """
 
 from __future__ import annotations
@@ -30,10 +29,10 @@ from epdserve.connectors.kv_events import (
     BlockStored,
     EventBatch,
 )
+from epdserve.router.adapter_versions import AdapterVersions
 from epdserve.router.keys import chain_keys, first_block_salt, root_key, token_bytes, without_lora
 
 LOCAL, STORE = "local", "store"
-MAX_ADAPTERS_PER_POD = 1024  # adapter digests remembered per pod (a pod's registry's bound)
 TIERS = (LOCAL, STORE)
 
 
@@ -74,8 +73,7 @@ class PrefixIndex:
         # key -> (pod, tier) -> engine hash
         self._entries: OrderedDict[int, dict[tuple[str, str], int]] = OrderedDict()
         self._pods: dict[tuple[str, str], _PodBlocks] = {}  # (pod, tier) -> its blocks
-        # pod -> adapter name -> the digest of its files in the pod's latest blocks
-        self._lora_digests: dict[str, OrderedDict[str, str]] = {}
+        self.versions = AdapterVersions()  # each pod's adapters' digests
         self._lock = threading.Lock()
         self.evicted = 0  # keys dropped by the capacity bound
 
@@ -93,21 +91,9 @@ class PrefixIndex:
         return max(sizes, default=0)
 
     def lora_digest(self, pod: str, lora_name: str) -> str | None:
-        """The digest of adapter ``lora_name``'s files in ``pod``'s latest stored blocks (our
-        pods send it; None for a vLLM pod, or before the pod stored any of its blocks). A
-        request for the adapter at that pod is keyed with it: an adapter reloaded from other
-        files names other blocks there, as in the engine."""
-        digests = self._lora_digests.get(pod)
-        return digests.get(lora_name) if digests else None
-
-    def _note_lora_digest(self, pod: str, event: BlockStored) -> None:
-        if not (event.lora_name and event.lora_digest):
-            return
-        digests = self._lora_digests.setdefault(pod, OrderedDict())
-        digests[event.lora_name] = event.lora_digest
-        digests.move_to_end(event.lora_name)
-        while len(digests) > MAX_ADAPTERS_PER_POD:
-            digests.popitem(last=False)
+        """The digest of adapter ``lora_name``'s files in ``pod``'s latest stored blocks (None:
+        a vLLM pod, or none stored yet): a request for it at that pod is keyed with it."""
+        return self.versions.get(pod, lora_name)
 
     # --- ingest --------------------------------------------------------------------------
 
@@ -126,7 +112,7 @@ class PrefixIndex:
                 owner = (pod, tier_of(event.medium))
                 blocks = self._pods.setdefault(owner, _PodBlocks())
                 if isinstance(event, BlockStored):
-                    self._note_lora_digest(pod, event)
+                    self.versions.note(pod, event.lora_name, event.lora_digest)
                     self._store(owner, blocks, event, result)
                 elif isinstance(event, BlockRemoved):
                     for h in event.block_hashes:
@@ -236,7 +222,7 @@ class PrefixIndex:
     def remove_pod(self, pod: str) -> None:
         """Forget a pod and every block it held."""
         with self._lock:
-            self._lora_digests.pop(pod, None)
+            self.versions.forget(pod)
             for tier in TIERS:
                 blocks = self._pods.pop((pod, tier), None)
                 if blocks is not None:
