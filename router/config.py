@@ -19,6 +19,7 @@ from epdserve.router.strategy import STRATEGIES
 POSITIVE_INTS = ("limit_concurrency", "max_upstream_connections", "max_pod_connections")
 TOKEN = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]{1,64}$")  # an HTTP header name
 POSITIVE_SECONDS = ("timeout_keep_alive", "header_read_timeout", "body_read_timeout")
+POSITIVE_FLOATS = ("scrape_interval", "lora_spread_load", "lora_models_interval", *POSITIVE_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -138,9 +139,7 @@ class RouterConfig:
         None, "require Authorization: Bearer KEY on every route but /health, /ready, /metrics"
     )
     processed_prompt_key: str | None = setting(
-        None,
-        "the pool's processed-prompt key (a Secret; EPDSERVE_PROCESSED_PROMPT_KEY), which its "
-        "pods have too: the prompts this router tokenizes for a prefill pod are signed with it",
+        None, "the pool's key (a Secret, as its pods'): signs the prompts it tokenizes for them"
     )
     tenant_keys: str | None = setting(
         None,
@@ -199,16 +198,13 @@ class RouterConfig:
         for flag in ("index_capacity", "block_size", "max_body_bytes", *POSITIVE_INTS):
             if getattr(self, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
-        for flag in ("scrape_interval", *POSITIVE_SECONDS):
+        for flag in POSITIVE_FLOATS:
             if getattr(self, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
         if self.failure_backoff < 0:
             raise ValueError("--failure-backoff must be >= 0")
         if self.kv_events_max_message_bytes < 1024:
             raise ValueError("--kv-events-max-message-bytes must be >= 1024")
-        for flag in ("lora_spread_load", "lora_models_interval"):
-            if getattr(self, flag) <= 0:
-                raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
         parse_modules(self.lora_modules)
         for flag in ("max_inflight_per_pod", "tenant_reserve_per_pod"):
             if getattr(self, flag) < 0:
