@@ -8,11 +8,17 @@ Two names over the same bytes share one digest, so the core reads them once.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import blake3
 
-from epdserve.engine.lora.peft_files import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
+from epdserve.engine.lora.peft_files import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    WEIGHTS_FILE,
+    open_regular,
+)
 
 DIGEST_CHARS = 32  # hex of 128 bits
 CHUNK = 8 << 20
@@ -29,7 +35,7 @@ def content_digest(config: bytes, weights: bytes) -> str:
 
 def read_config_bytes(root: Path) -> bytes:
     """``adapter_config.json``'s bytes, at most ``MAX_CONFIG_BYTES``; ``ValueError`` beyond."""
-    with (root / CONFIG_FILE).open("rb") as f:
+    with open_regular(root / CONFIG_FILE) as f:
         data = f.read(MAX_CONFIG_BYTES + 1)
     if len(data) > MAX_CONFIG_BYTES:
         raise ValueError(f"{CONFIG_FILE}: larger than {MAX_CONFIG_BYTES} bytes")
@@ -42,25 +48,24 @@ def read_weights(path: str | Path) -> tuple[bytes, str]:
     root = Path(path)
     try:
         config = read_config_bytes(root)
-        weights = (root / WEIGHTS_FILE).read_bytes()
+        with open_regular(root / WEIGHTS_FILE) as f:
+            weights = f.read()
     except OSError as exc:
         raise ValueError(f"lora_path: cannot read the adapter ({exc.strerror or exc})") from None
     return weights, content_digest(config, weights)
 
 
 def adapter_digest(path: str | Path) -> str:
-    """The digest of the adapter directory ``path`` (its weights streamed, not held; call it
-    after ``inspect_adapter``, which refuses what is not a regular file); ``ValueError``
-    naming ``lora_path`` when a file cannot be read."""
+    """The digest of the adapter directory ``path`` (its weights streamed, not held);
+    ``ValueError`` naming ``lora_path`` when a file cannot be read."""
     root = Path(path)
     try:
         config = read_config_bytes(root)
         h = blake3.blake3()
         h.update(len(config).to_bytes(8, "little"))
         h.update(config)
-        file = root / WEIGHTS_FILE
-        h.update(file.stat().st_size.to_bytes(8, "little"))
-        with file.open("rb") as f:
+        with open_regular(root / WEIGHTS_FILE) as f:
+            h.update(os.fstat(f.fileno()).st_size.to_bytes(8, "little"))
             while chunk := f.read(CHUNK):
                 h.update(chunk)
     except OSError as exc:

@@ -9,6 +9,7 @@ Pickled weights (``adapter_model.bin``) are never read.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
@@ -130,7 +131,7 @@ def _lora_tensors(
 def _read_config(root: Path) -> dict:
     """``adapter_config.json`` as a dict: at most ``MAX_CONFIG_BYTES`` are read (a bigger
     file is refused, so a huge one costs no memory) and nesting is bounded before parsing."""
-    with _open_regular(root / CONFIG_FILE) as f:
+    with open_regular(root / CONFIG_FILE) as f:
         data = f.read(MAX_CONFIG_BYTES + 1)
     if len(data) > MAX_CONFIG_BYTES:
         raise ValueError(f"{CONFIG_FILE}: larger than {MAX_CONFIG_BYTES} bytes")
@@ -189,11 +190,11 @@ def _read_header(file: Path) -> dict:
         pickled = file.with_suffix(".bin")
         hint = f" ({pickled.name} is not read: pickle)" if pickled.exists() else ""
         raise ValueError(f"{WEIGHTS_FILE}: missing in {_clip(str(file.parent))}{hint}")
-    with _open_regular(file) as f:
+    with open_regular(file) as f:
         return read_header(f, os.fstat(f.fileno()).st_size, WEIGHTS_FILE)
 
 
-def _open_regular(file: Path) -> BinaryIO:
+def open_regular(file: Path) -> BinaryIO:
     """``file`` open for reading, refused unless it is a regular file (a FIFO would block
     the read, and the LoRA lock, forever; a device such as /dev/zero never ends)."""
     try:
@@ -223,6 +224,7 @@ def load_adapter(spec: AdapterSpec, data: bytes) -> dict[tuple[int, str], tuple]
     import torch
     from safetensors.torch import load
 
+    read_header(io.BytesIO(data), len(data), WEIGHTS_FILE)  # the checks of the inspection
     out = {}
     try:
         tensors = load(data)
