@@ -175,6 +175,7 @@ class LLM:
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise ValueError("cache_salt: must be a non-empty string")
+        processed.salt_items(cache_salt)  # a tenant's images share with no other, as served
         features = [
             MMFeature(i.identifier, i.offset, i.length, px.tobytes(), list(px.shape))
             for i in processed.items

@@ -130,3 +130,25 @@ def test_serve_refuses_a_key_too_short_to_be_random():
     with pytest.raises(ValueError, match="^processed_prompt_key must be at least 32"):
         ServeOptions(processed_prompt_key="hunter2")
     assert ServeOptions(processed_prompt_key=KEY).processed_prompt_key == KEY
+
+
+def test_offline_a_salted_image_is_encoded_apart_and_shared_within_its_salt(models):
+    from PIL import Image
+
+    from epdserve.engine import LLM
+
+    llm = LLM(model=str(models.get("gemma3")), max_model_len=512)
+    image = Image.new("RGB", (40, 30), (30, 60, 90))
+    boi = llm.inputs.images.boi_token
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    def run(text: str, salt: str | None) -> None:
+        prompt = {"prompt": f"{text} {boi}", "multi_modal_data": {"image": image}}
+        llm.generate([{**prompt, **({"cache_salt": salt} if salt else {})}], params)
+
+    run("look", None)
+    run("see", "tenant-a")  # other text: only the encoder cache could serve the image
+    assert llm.engine.runner.encoder_outputs.num_runs == 2
+    run("view", "tenant-a")
+    assert llm.engine.runner.encoder_outputs.num_runs == 2
+    assert llm.engine.scheduler.encoder.cache.hits == 1
