@@ -100,16 +100,25 @@ def _compiler_id(compiler: str) -> bytes:
     return res.stdout[:200]
 
 
-def _cpu_id() -> bytes:
-    flags = b""
+def _cpu_flags_line() -> bytes:
     try:
         for line in Path("/proc/cpuinfo").read_bytes().splitlines():
             if line.startswith((b"flags", b"Features")):
-                flags = line
-                break
+                return line
     except OSError:
         pass
-    return platform.machine().encode() + flags
+    return b""
+
+
+def _cpu_id() -> bytes:
+    return platform.machine().encode() + _cpu_flags_line()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none): which of
+    ``amx_bf16``, ``avx512_bf16`` the matrix products and kernels can use."""
+    _, _, names = _cpu_flags_line().decode(errors="replace").partition(":")
+    return frozenset(names.split())
 
 
 def _cache_dir() -> Path:

@@ -7,6 +7,7 @@ import torch
 from kernels_testlib import make_batch, naive_attention
 
 from epdserve.kernels import native, paged_attention_ref
+from epdserve.kernels.native_build import cpu_flags
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for the kernel")
 
@@ -20,6 +21,10 @@ F32_ATOL = 1e-5
 # this kernel 2.8e-3, the twin 5.7e-3 in its decode rows); span rows are mostly bit-equal
 # to the twin's (below)
 BF16 = dict(atol=8e-3, rtol=2**-7)
+# span rows bit-equal to the twin: measured 99.5-100% where torch's bf16 matrix products run on
+# AVX-512, 97.7-97.9% on a CPU with AMX (oneDNN's AMX path rounds the twin's P @ V otherwise);
+# the numerical bounds above hold on both
+BIT_EQUAL_ROWS = 0.95 if "amx_bf16" in cpu_flags() else 0.98
 
 
 def native_and_twin(batch, scale=0.125, window=None, cap=None):
@@ -65,9 +70,8 @@ def test_bf16_mixed_batch_rows_equal_the_twin_bit_for_bit(block_size, head_dim, 
     torch.testing.assert_close(got.double(), naive, **BF16)
     errors = [(x.double() - naive)[rows].abs().max() for x in (got, ref)]
     assert errors[0] <= 1.5 * errors[1]  # no further from float64 than the twin
-    # the flash kernel's softmax per row (512-key chunks, its exp, P rounded to bf16):
-    # measured 99.5-100% of the span rows bit-equal to the twin's
-    assert (got == ref)[rows].all(dim=-1).float().mean() >= 0.98
+    # the flash kernel's softmax per row (512-key chunks, its exp, P rounded to bf16)
+    assert (got == ref)[rows].all(dim=-1).float().mean() >= BIT_EQUAL_ROWS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
