@@ -90,12 +90,13 @@ class StepGuard:
         self, scheduler: Scheduler, sched: SchedulerOutput, exc: Exception
     ) -> list[EngineCoreOutput]:
         """Roll back a step whose execution raised; error outputs for the culprits."""
-        self.num_failed_steps += 1
         batch = scheduler.rollback(sched)
         if isinstance(exc, MissingPixelsError) and exc.request_ids:
-            # not a fault: their images' outputs are gone; the rest of the batch runs again
+            # not a fault (no failed step to alert on): their images' outputs are gone, they
+            # are counted as request errors; the rest of the batch runs again
             log.warning("step rolled back: %s (requests %s)", exc, exc.request_ids)
             return self.fail(scheduler, exc.request_ids, str(exc), MISSING_ITEM_STATUS)
+        self.num_failed_steps += 1
         log.error(
             "step failed for a batch of %d requests (%s: %s); isolating",
             len(batch),

@@ -55,4 +55,5 @@ def test_an_image_no_store_has_fails_its_request_alone_with_503(pod):
     assert "send the request again with its images" in outputs["evicted"].error
     assert len(tokens) == 4  # the other request was rolled back and ran on, not failed
     assert not core.guard.suspects and not core.guard.strikes
+    assert core.stats().failed_steps == 0  # an eviction, not a fault to alert on
     assert core.kv.num_free_blocks() == core.num_blocks - 1
