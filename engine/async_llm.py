@@ -26,6 +26,7 @@ from epdserve.engine.core.interfaces import (
 )
 from epdserve.engine.core.pixel_cache import PixelSender
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
+from epdserve.engine.cpus import usable_cpus
 from epdserve.engine.inputs.prompt import ProcessedPrompt
 from epdserve.engine.outputs.output_processor import RequestState, StreamOutput, fan_out
 from epdserve.engine.sampling_params import SamplingParams
@@ -35,15 +36,15 @@ log = logging.getLogger("epdserve.frontend")
 
 
 def core_threads_env() -> dict[str, str]:
-    """OpenMP threads of the engine core: every CPU this process may use but one, which the
+    """OpenMP threads of the engine core: every CPU this process may use (its affinity within
+    its cgroup's CPU limit, ``engine/cpus.py``) but one, which the
     API process keeps for HTTP, tokenizing and detokenizing (a core spinning in a parallel
     region while the frontend holds one of its threads' CPUs stalls every step).
     ``OMP_NUM_THREADS`` overrides. Measured on 2 cores (bench/serve.py): 2 threads with
     sleeping workers 3.4k tok/s, 1 thread 4.9k tok/s."""
     if os.environ.get("OMP_NUM_THREADS"):
         return {}
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"OMP_NUM_THREADS": str(max(1, (cpus or 1) - 1))}
+    return {"OMP_NUM_THREADS": str(max(1, usable_cpus() - 1))}
 
 
 # the request-errors metric's cause of a core's error output, by its status (else "rejected")

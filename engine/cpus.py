@@ -1,0 +1,79 @@
+"""How many CPUs this process may use: its affinity, and its cgroup's CPU limit (a pod's
+``resources.limits.cpu``, a container's ``--cpus``). A pod with a limit of 2 on a 64-core node
+sees 64 CPUs in its affinity; 63 OpenMP threads there would be throttled to 2 CPUs' worth of
+time and stall each other, so the limit counts."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
+    """The CPU limit of this process's cgroup in CPUs (``quota / period``), the tightest along
+    its path; None when there is none (or no cgroup file can be read). cgroup v2 reads
+    ``cpu.max``, v1 ``cpu.cfs_quota_us`` and ``cpu.cfs_period_us``."""
+    limits = []
+    for version, path in _cgroup_paths(proc_cgroup):
+        base = root if version == 2 else root / "cpu"
+        for directory in _ancestors(base, path):
+            limit = _read_limit(directory, version)
+            if limit is not None:
+                limits.append(limit)
+    return min(limits, default=None)
+
+
+def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
+    """CPUs this process may use: its affinity, within its cgroup's limit rounded down (a
+    limit of 2.5 is 2 CPUs for threads that spin; never below 1)."""
+    if hasattr(os, "sched_getaffinity"):
+        cpus = len(os.sched_getaffinity(0))
+    else:
+        cpus = os.cpu_count() or 1
+    limit = cgroup_cpu_limit(root, proc_cgroup)
+    if limit is not None:
+        cpus = min(cpus, max(1, math.floor(limit)))
+    return max(1, cpus)
+
+
+def _cgroup_paths(proc_cgroup: Path) -> list[tuple[int, str]]:
+    """``(version, path)`` of the cgroups that can limit CPU: v2's unified one, v1's cpu."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            found.append((2, path))
+        elif "cpu" in controllers.split(","):
+            found.append((1, path))
+    return found
+
+
+def _ancestors(base: Path, path: str) -> list[Path]:
+    """``base/path`` and each directory above it up to ``base`` (inside a container's
+    cgroup namespace the path is ``/``: ``base`` itself)."""
+    parts = [p for p in path.split("/") if p and p != ".."]
+    return [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _read_limit(directory: Path, version: int) -> float | None:
+    try:
+        if version == 2:
+            quota, _, period = (directory / "cpu.max").read_text().strip().partition(" ")
+        else:
+            quota = (directory / "cpu.cfs_quota_us").read_text().strip()
+            period = (directory / "cpu.cfs_period_us").read_text().strip()
+        if quota in ("max", "-1"):
+            return None
+        value = int(quota) / int(period or "100000")
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+    return value if value > 0 else None
