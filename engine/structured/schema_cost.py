@@ -6,9 +6,10 @@ position costs more the more optional properties the whole schema has (``K``). M
 xgrammar 0.2.9 (bench/grammar_cost.py), one object costs about ``k * k * l * v * (K + 1275)``
 units, ``l`` being a property's name in bytes plus 4, ``v`` how ambiguous its value's end is
 (1: a string, object, array, boolean or enum of strings; 4: a number, whose digits may run
-into the next key; 3 more per extra alternative of a union), doubled when the object takes
+into the next key; 3 more per extra alternative of a union), 12 times more when the object takes
 other properties too, and multiplied by the counts it must track under
-``minProperties``/``maxProperties``. 1e10 units took ~0.4 s at a 4k vocabulary on 2 cores.
+``minProperties``/``maxProperties``. Compile time per unit grows with the vocabulary: the
+worst schemas under ``MAX_COMPILE_COST`` are measured in docs/security.md.
 
 Everything else (required properties, enums, ``anyOf`` branches, arrays, nesting) measured
 linear in the spec's size, which ``MAX_SPEC_BYTES`` bounds; patterns have their own budget
@@ -21,11 +22,12 @@ from typing import Any, NamedTuple
 
 from epdserve.engine.structured.pattern_cost import pattern_cost
 
-MAX_COMPILE_COST = 5_000_000_000  # per spec (docs/security.md: the worst that passes)
+MAX_COMPILE_COST = 1_000_000_000  # per spec (docs/security.md: the worst that passes)
 CROSS = 1275  # the optional properties of the rest of the schema, in the same units as K
 UNION = 3  # per extra alternative of a value
 NUMBER = 4  # a value whose end is not delimited: integer, number, or anything
 ANY_TYPES = 6  # an untyped value may be any of the six JSON types
+OPEN = 12  # other properties allowed: any key may follow each property (7.8 s at 3, 128k vocab)
 
 _MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
@@ -119,7 +121,7 @@ def _charge_object(schema: dict, at: str, root: Any, cost: SchemaCost) -> None:
     elif isinstance(schema.get("maxProperties"), int):
         counts = min(max(schema["maxProperties"], 0), k) + 1
     opened = any(schema.get(key) not in (None, False) for key in _OPENERS)
-    cost.objects.append(ObjectCost(k * weight * counts * (2 if opened else 1), k, at))
+    cost.objects.append(ObjectCost(k * weight * counts * (OPEN if opened else 1), k, at))
 
 
 def _value_factor(value: Any, root: Any, depth: int = 0) -> int:
