@@ -38,6 +38,16 @@ SMALL_SPEC_BYTES = 4096
 SMALL_COST = 100_000_000
 SMALL_PATTERN_COST = 40_000
 SHARED_CLIENT = ""  # requests that name no client share one turn
+# tests only: large-lane compiles start once this file exists (at most HOLD_S later), so a
+# served test can tell structurally what a held large lane still lets through. Unset in production
+HOLD_ENV = "EPDSERVE_TEST_HOLD_LARGE_COMPILES"
+HOLD_S = 60.0
+
+
+def _hold(path: str | None) -> None:
+    deadline = time.monotonic() + HOLD_S
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def is_small(params: StructuredOutputsParams) -> bool:
@@ -108,9 +118,10 @@ class StructuredOutputManager:
         # two lanes, so a cheap spec never waits behind a large one; each takes its clients
         # in turn and drops compiles nobody waits for (compile_queue.py)
         self._lock = threading.Lock()
+        hold = os.environ.get(HOLD_ENV)
         self.lanes = {
-            name: CompileLane(name, lambda p: self._compile(p), self._lock)
-            for name in ("small", "large")
+            "small": CompileLane("small", lambda p: self._compile(p), self._lock),
+            "large": CompileLane("large", lambda p: _hold(hold) or self._compile(p), self._lock),
         }
         self._compiler: Compiler | None = None  # built by the first compile
         self._compiler_lock = threading.Lock()
