@@ -157,8 +157,8 @@ class OpenAIServing:
                 prompt = await self.inputs.chat(
                     messages, options, req.mm_processor_kwargs, req.add_special_tokens
                 )
-                # pixels of the images the core does not hold: decoded now, so a bad image
                 prompt.salt_items(req.cache_salt)  # a tenant's images share with no other
+                # pixels of the images the core does not hold: decoded now, so a bad image
                 # is this request's 400 (an image evicted before the send is made then)
                 missing = self.engine.pixels.missing(prompt.items)
                 if missing:
