@@ -3,6 +3,9 @@
 No weights can be downloaded here, so tests, benchmarks and ``make run`` use these:
 a real HF directory (config.json, generation_config.json, model.safetensors, tokenizer
 files, chat template) that ``transformers`` loads offline. Same seed, same bytes.
+
+``tiny`` and ``small`` are fp32 and overhead-bound; ``qwen2.5-0.5b`` and ``llama3.2-1b`` are
+the shapes users serve, in bf16, text architectures only (``serving_shapes``).
 """
 
 from __future__ import annotations
@@ -12,12 +15,20 @@ import hashlib
 import json
 from pathlib import Path
 
+from epdserve.engine import serving_shapes
+
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-PRESETS = ("tiny", "small")
+PRESETS = ("tiny", "small", *serving_shapes.SHAPES)
 VOCAB = 4096
 
 # (hidden, layers, heads, kv_heads, head_dim, intermediate)
 SIZES = {"tiny": (128, 4, 4, 2, 32, 384), "small": (768, 8, 12, 4, 64, 2048)}
+SIZES.update(serving_shapes.SHAPES)
+
+
+def vocab_size(preset: str) -> int:
+    """The model's and its tokenizer's vocab."""
+    return serving_shapes.VOCAB if preset in serving_shapes.SHAPES else VOCAB
 
 
 def text_config_kwargs(arch: str, preset: str) -> dict:
@@ -60,6 +71,8 @@ def text_config_kwargs(arch: str, preset: str) -> dict:
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         )
+    if preset in serving_shapes.SHAPES:
+        kw.update(serving_shapes.config_overrides(arch, preset))
     return kw
 
 
@@ -141,10 +154,13 @@ def make_model(
         raise ValueError(f"arch: unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     if preset not in PRESETS:
         raise ValueError(f"preset: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    image = arch == "gemma3"
+    large = preset in serving_shapes.SHAPES
+    if large and (image or lora):
+        raise ValueError(f"preset: {preset} is for text architectures without --lora")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    image = arch == "gemma3"
-    tok = tt.train_tokenizer(VOCAB, with_image_tokens=image)
+    tok = tt.train_tokenizer(vocab_size(preset), with_image_tokens=image)
     hf_tok = tt.save_hf_tokenizer(tok, str(out), with_image_tokens=image)
     ids = {
         "boi": tok.token_to_id(tt.BOI),
@@ -154,6 +170,9 @@ def make_model(
     assert (tok.token_to_id(tt.PAD), tok.token_to_id(tt.BOS), tok.token_to_id(tt.EOS)) == (0, 1, 2)
 
     config = build_config(arch, preset, ids)
+    if large:
+        _save_large(config, out, seed)
+        return out
     torch.manual_seed(seed)
     with torch.device("cpu"):
         if image:
@@ -169,6 +188,17 @@ def make_model(
 
         write_random_adapters(out, lora, seed)
     return out
+
+
+def _save_large(config, out: Path, seed: int) -> None:
+    """bf16 weights written tensor by tensor, the config saying so."""
+    import torch
+    from transformers import GenerationConfig
+
+    serving_shapes.write_random_weights(config, out / "model.safetensors", seed)
+    config.dtype = torch.bfloat16
+    config.save_pretrained(str(out))
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(str(out))
 
 
 def _save_processor(out: Path, hf_tok, config) -> None:

@@ -98,3 +98,87 @@ def test_cli_writes_a_checkpoint(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == 4096 and config["model_type"] == "qwen3"
     assert torch.__version__  # the engine extra is installed in the test environment
+
+
+@pytest.mark.parametrize(
+    ("preset", "shape", "params"),
+    [
+        ("qwen2.5-0.5b", (896, 24, 14, 2, 64, 4864), 387_230_592),
+        ("llama3.2-1b", (2048, 16, 32, 8, 64, 8192), 1_040_254_976),
+    ],
+)
+def test_real_shaped_presets_have_the_real_models_shapes_tied_at_our_vocab(preset, shape, params):
+    from epdserve.engine.make_model import build_config
+    from epdserve.engine.serving_shapes import parameter_count
+
+    cfg = build_config("llama", preset, {})
+    got = (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads)
+    got += (cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+    assert got == shape
+    assert (cfg.vocab_size, cfg.tie_word_embeddings) == (32768, True)
+    assert parameter_count(cfg) == params
+
+
+def test_real_shaped_presets_are_for_text_models_only(tmp_path):
+    from epdserve.engine.make_model import make_model
+
+    with pytest.raises(ValueError, match="preset: qwen2.5-0.5b"):
+        make_model("gemma3", tmp_path, preset="qwen2.5-0.5b")
+    assert not any(tmp_path.iterdir())
+
+
+def _shrunk_qwen2_config():
+    """The 0.5B preset's Qwen2 config cut to one layer and a small vocab: the same kinds of
+    tensors (biases, norms, a tied head) in a few MB."""
+    from epdserve.engine.make_model import build_config
+
+    cfg = build_config("qwen2", "qwen2.5-0.5b", {})
+    cfg.num_hidden_layers, cfg.vocab_size = 1, 512
+    cfg.layer_types = cfg.layer_types[:1]
+    return cfg
+
+
+def test_streamed_bf16_weights_are_every_tensor_transformers_expects(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from epdserve.engine.serving_shapes import parameter_shapes, write_random_weights
+
+    cfg = _shrunk_qwen2_config()
+    size = write_random_weights(cfg, tmp_path / "model.safetensors", seed=0)
+    assert size == (tmp_path / "model.safetensors").stat().st_size
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == dict(parameter_shapes(cfg))
+    assert "lm_head.weight" not in tensors  # tied: stored once, as the embedding
+    assert {v.dtype for v in tensors.values()} == {torch.bfloat16}
+    assert bool((tensors["model.norm.weight"] == 1).all())
+    assert bool((tensors["model.layers.0.self_attn.q_proj.bias"] == 0).all())
+    std = float(tensors["model.embed_tokens.weight"].float().std())
+    assert abs(std - cfg.initializer_range) < 0.002
+    cfg.save_pretrained(tmp_path)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_streamed_weights_are_the_same_bytes_for_the_same_seed(tmp_path):
+    from epdserve.engine.serving_shapes import write_random_weights
+
+    cfg = _shrunk_qwen2_config()
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        write_random_weights(cfg, tmp_path / name, seed)
+    a, b, c = ((tmp_path / n).read_bytes() for n in "abc")
+    assert a == b and a != c
+
+
+@pytest.mark.slow
+def test_the_half_billion_preset_loads_in_our_engine_and_generates(tmp_path):
+    from epdserve.engine import LLM, SamplingParams
+    from epdserve.engine.make_model import make_model
+
+    path = make_model("llama", tmp_path / "m", seed=0, preset="qwen2.5-0.5b")
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=256, seed=0)
+    assert llm.tokenizer.tokenizer.get_vocab_size() == 32768  # every id the model samples
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": list(range(10, 42))}], sp)
+    assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].text
