@@ -1,12 +1,18 @@
 """epdserve side by side with vLLM's CPU build, same checkpoint, same machine (one JSON object).
 
+Every case runs per ``--presets`` checkpoint (default all three, ``vs_vllm_settings``): the
+``tiny`` make-model Llama (overhead-bound) and Llamas shaped like Qwen2.5-0.5B and
+Llama-3.2-1B, all stored in bf16. The JSON's ``presets`` holds each one's results and
+``ratios``; its ``cpu`` block says whether the CPU has AMX and AVX512_BF16.
+
 Each engine runs alone (the other stopped), in alternating order, in two settings
 (``vs_vllm_settings``): ``defaults`` (each as a user starts it) and ``matched`` (the same block
 size, batched-token budget, sequences and KV bytes). vLLM runs in each of its thread-binding
 variants and the better one per case is kept (all are in the JSON).
 
-(a) offline: 256 prompts x 128 tokens in, 128 out, ``vllm.LLM.generate`` vs our
-    ``LLM.generate``: defaults, then matched at each ``--offline-threads`` count;
+(a) offline: 256 prompts x 128 tokens in, 128 out (the real shapes: 64 x 128 in, 64 out),
+    ``vllm.LLM.generate`` vs our ``LLM.generate``: defaults, then matched at each
+    ``--offline-threads`` count;
 (b) served: ``vllm serve`` vs ``epdserve serve``, each loaded by ``vllm bench serve
     --dataset-name random --random-input-len 128 --random-output-len 128 --num-prompts 64
     --request-rate inf --ignore-eos``: req/s, output tok/s, TTFT and ITL percentiles;
@@ -15,12 +21,12 @@ variants and the better one per case is kept (all are in the JSON).
 Every load or server start gets a warm-up run first (not counted), then ``--rounds`` runs
 (each round its own seed, the same for both engines; served cases alternate). Which engine
 goes first alternates between settings, and ``--vllm-first 1`` flips it all for a second
-run. Medians over rounds; ratios ours / vLLM's best variant. The ``tiny``
-make-model Llama stored in bf16. vLLM runs from its own venv (installed there on first use;
-skipped with a message where that fails).
+run. Medians over rounds; ratios ours / vLLM's best variant. vLLM runs from its own venv
+(installed there on first use; skipped with a message where that fails).
 
     python bench/vs_vllm.py [--rounds 3] [--quick] [--vllm-venv DIR] [--no-install]
-        [--settings defaults matched] [--skip offline served] [--offline-threads 2 1]
+        [--presets tiny qwen2.5-0.5b llama3.2-1b] [--settings defaults matched]
+        [--skip offline served] [--offline-threads 2 1]
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,16 +138,16 @@ def offline_runs(python, name, model, kwargs, env_, cmds: list[dict]) -> list[di
     return [{**res, "load_s": load_s} for res in results]
 
 
-def offline(vllm_python: str, model: Path, args) -> dict:
+def offline(vllm_python: str, model: Path, args, work: dict) -> dict:
     """Per setting: each engine variant loaded alone in turn (the first engine alternates
-    between settings), ``rounds`` measured generates each, the same seeds for all."""
+    between settings), ``rounds`` measured generates of ``work`` each, the same seeds."""
     out = {}
     pythons = {"epdserve": sys.executable, "vllm": vllm_python}
     cases = sets.offline_cases(args.cpus, args.offline_threads)
     for i, (setting, threads) in enumerate(cases):
         label = setting if threads is None else f"{setting}_{threads}_threads"
-        cmds = [{"seed": 1000 + r, "prompts": args.prompts, "prompt_len": args.input_len,
-                 "output_len": args.output_len} for r in range(args.rounds)]  # fmt: skip
+        cmds = [{"seed": 1000 + r, "prompts": work["prompts"], "prompt_len": work["input"],
+                 "output_len": work["output"]} for r in range(args.rounds)]  # fmt: skip
         runs: dict[str, dict[str, list]] = {"epdserve": {}, "vllm": {}}
         for name in round_order(i + args.vllm_first):
             kwargs = sets.engine_kwargs(setting, name)
@@ -180,40 +187,68 @@ def served(vllm_python: str, model: Path, args, index: int, setting: str) -> dic
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 round, 16 prompts x 32 tokens")
     ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get(
         "EPDSERVE_VLLM_VENV", env.DEFAULT_VENV)))  # fmt: skip
     ap.add_argument("--no-install", action="store_true", help="never install vLLM")
+    ap.add_argument("--presets", nargs="+", default=list(sets.PRESETS), choices=sets.PRESETS,
+                    help="make-model checkpoints to run every case on, in this order")  # fmt: skip
     ap.add_argument("--offline-threads", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--settings", nargs="*", default=list(sets.SETTINGS), choices=sets.SETTINGS)
     ap.add_argument("--skip", nargs="*", default=[], choices=("offline", "served"))
     ap.add_argument("--vllm-first", type=int, default=0, choices=(0, 1),
                     help="1: vLLM goes first in the first setting (a second run flips order)")  # fmt: skip
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.cpus = sorted(os.sched_getaffinity(0))
-    args.prompts, args.input_len, args.output_len = (16, 128, 32) if args.quick else (256, 128, 128)
     if args.quick:
         args.rounds = 1
-    result_order = "vllm first" if args.vllm_first else "epdserve first"
-    versions, why = env.ensure_vllm(args.vllm_venv, install=not args.no_install)
-    result = {
-        "versions": env.versions(versions),
+    return args
+
+
+def plan(args: argparse.Namespace) -> dict:
+    """What a run measures, before it starts: the machine, the flags, each preset's model
+    and offline workload (the served cases are ``vs_vllm_serve.CASES``)."""
+    return {
+        "cpu": env.cpu_info(),
         "cpus": args.cpus,
         "settings": {
             s: {"epdserve": sets.serve_flags(s, "epdserve"), "vllm": sets.serve_flags(s, "vllm")}
             for s in args.settings
         },  # fmt: skip
         "rounds": args.rounds,
-        "first_setting_order": result_order,
-        "offline_workload": {
-            "prompts": args.prompts,
-            "input": args.input_len,
-            "output": args.output_len,
+        "first_setting_order": "vllm first" if args.vllm_first else "epdserve first",
+        "presets": {
+            p: {
+                "model": f"make-model llama {p} seed 0, bf16 safetensors",
+                "offline_workload": sets.offline_workload(p, args.quick),
+            }
+            for p in args.presets
         },  # fmt: skip
     }
+
+
+def run_preset(vllm_python: str, preset: str, entry: dict, args, tmp: Path) -> None:
+    """Every case on ``preset``'s checkpoint, results and ratios into ``entry``."""
+    started = time.monotonic()
+    model = env.make_checkpoint(tmp / f"{preset}-llama-bf16", preset)
+    entry["make_model_s"] = round(time.monotonic() - started, 1)
+    if "offline" not in args.skip:
+        entry["a_offline"] = offline(vllm_python, model, args, entry["offline_workload"])
+    if "served" not in args.skip:
+        entry["served"] = {
+            s: served(vllm_python, model, args, i, s) for i, s in enumerate(args.settings)
+        }
+    entry["ratios"] = headline(entry)
+    shutil.rmtree(model, ignore_errors=True)  # the 1B checkpoint is 2 GB
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    versions, why = env.ensure_vllm(args.vllm_venv, install=not args.no_install)
+    result = {"versions": env.versions(versions), **plan(args)}
     if versions is None:
         result["skipped"] = f"vLLM unavailable: {why}"
         print(json.dumps(result, indent=2))
@@ -223,15 +258,9 @@ def main() -> None:
     result["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
     result["loadavg_1_5_15"] = {"before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
-        model = env.make_checkpoint(Path(tmp) / "tiny-llama-bf16", "tiny")
-        result["model"] = "make-model llama tiny seed 0, bf16 safetensors"
-        if "offline" not in args.skip:
-            result["a_offline"] = offline(vllm_python, model, args)
-        if "served" not in args.skip:
-            result["served"] = {
-                s: served(vllm_python, model, args, i, s) for i, s in enumerate(args.settings)
-            }
-    result["ratios"] = headline(result)
+        for preset, entry in result["presets"].items():
+            run_preset(vllm_python, preset, entry, args, Path(tmp))
+    result["ratios"] = {p: entry["ratios"] for p, entry in result["presets"].items()}
     result["wall_s"] = round(time.time() - started, 1)
     result["loadavg_1_5_15"]["after"] = os.getloadavg()
     print(json.dumps(result, indent=2))

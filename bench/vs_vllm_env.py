@@ -78,14 +78,32 @@ def ensure_vllm(venv: Path, install: bool, log=sys.stderr) -> tuple[str | None, 
     return found, "" if found else "vLLM installed but does not import"
 
 
+def cpu_info() -> dict:
+    """The CPU's model name and whether it has the bf16 matrix units the engines can use."""
+    from epdserve.kernels.native_build import cpu_flags
+
+    flags, name = cpu_flags(), None
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(
+                (ln.partition(":")[2].strip() for ln in f if ln.startswith("model name")), None
+            )
+    except OSError:
+        pass
+    return {"model": name, "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags}
+
+
 def make_checkpoint(out: Path, preset: str) -> Path:
-    """A ``make-model`` Llama checkpoint stored in bf16 (config ``dtype`` bfloat16)."""
+    """A ``make-model`` Llama checkpoint stored in bf16 (config ``dtype`` bfloat16); the real
+    shapes' presets are written in bf16 already."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from epdserve.engine.make_model import make_model
 
     path = make_model("llama", out, seed=0, preset=preset)
+    if json.loads((path / "config.json").read_text()).get("dtype") == "bfloat16":
+        return path
     weights = path / "model.safetensors"
     tensors = {k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}
     save_file(tensors, weights, metadata={"format": "pt"})

@@ -9,6 +9,12 @@ thread-binding variants (the bench keeps vLLM's better one per case).
   sequences (256) and KV bytes (1 GiB) for both; threads still each engine's own choice
   (offline: ``OMP_NUM_THREADS`` for both, the bench's ``--threads``).
 
+Each case runs per ``--presets`` checkpoint (``PRESETS``): the ``tiny`` make-model Llama, a
+model where framework overhead is most of the step, and Llamas shaped like Qwen2.5-0.5B and
+Llama-3.2-1B (``engine/serving_shapes.py``), where the matrix products are. The served cases
+are the same for all three; offline the real shapes get 64 prompts x 128 in / 64 out
+(``offline_workload``) so that one generate stays within minutes on a small CPU.
+
 One exception to "defaults": vLLM's CPU build reserves 92 % of its NUMA node's memory by
 default (``--gpu-memory-utilization 0.92``) and refuses to start when less is free, which on
 this machine is always (12.8 GiB node, 11.5 free when idle); its error message tells the
@@ -25,6 +31,7 @@ from __future__ import annotations
 import os
 
 SETTINGS = ("defaults", "matched")
+PRESETS = ("tiny", "qwen2.5-0.5b", "llama3.2-1b")
 USER_FLAGS = {"dtype": "bfloat16", "max_model_len": 2048, "enable_prefix_caching": True}
 MATCHED = {"block_size": 32, "max_num_batched_tokens": 2048, "max_num_seqs": 256}
 KV_BYTES = 1 << 30
@@ -32,6 +39,15 @@ VLLM_DEFAULTS_FIX = {"gpu_memory_utilization": 0.5}
 # variables that would make "defaults" not the defaults: the bench's own shell may set them
 STRIPPED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
             "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU")  # fmt: skip
+
+
+def offline_workload(preset: str, quick: bool) -> dict[str, int]:
+    """Prompts, input and output tokens of each offline generate of ``preset``."""
+    if quick:
+        prompts, inp, out = 16, 128, 32
+    else:
+        prompts, inp, out = (256, 128, 128) if preset == "tiny" else (64, 128, 64)
+    return {"prompts": prompts, "input": inp, "output": out}
 
 
 def engine_kwargs(setting: str, engine: str) -> dict:

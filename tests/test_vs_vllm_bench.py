@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -104,3 +106,69 @@ def test_cpu_delta_keeps_only_processes_that_used_cpu():
     before = {"a:1": 1.0, "b:2": 2.0}
     after = {"a:1": 1.5, "b:2": 2.0, "c:3": 0.25}
     assert vs_vllm_env.cpu_delta(before, after) == {"a:1": 0.5, "c:3": 0.25}
+
+
+def test_every_preset_runs_by_default_and_real_shapes_get_a_smaller_offline_workload():
+    assert vs_vllm.parse_args([]).presets == ["tiny", "qwen2.5-0.5b", "llama3.2-1b"]
+    assert sets.offline_workload("tiny", quick=False) == {
+        "prompts": 256,
+        "input": 128,
+        "output": 128,
+    }
+    for preset in ("qwen2.5-0.5b", "llama3.2-1b"):
+        assert sets.offline_workload(preset, quick=False) == {
+            "prompts": 64,
+            "input": 128,
+            "output": 64,
+        }
+        assert sets.offline_workload(preset, quick=True) == sets.offline_workload("tiny", True)
+
+
+def test_the_plan_says_which_bf16_units_the_cpu_has(monkeypatch):
+    from epdserve.kernels import native_build
+
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    args = vs_vllm.parse_args(["--presets", "llama3.2-1b", "tiny"])
+    plan = vs_vllm.plan(args)
+    assert plan["cpu"]["amx_bf16"] is True and plan["cpu"]["avx512_bf16"] is False
+    assert list(plan["presets"]) == ["llama3.2-1b", "tiny"]
+    assert plan["presets"]["llama3.2-1b"]["offline_workload"]["prompts"] == 64
+
+
+def test_each_preset_gets_its_own_checkpoint_results_and_ratios(monkeypatch, capsys):
+    made = []
+
+    def fake_checkpoint(out, preset):
+        made.append(preset)
+        out.mkdir()
+        return out
+
+    def fake_offline(python, model, args, work):
+        ratio = work["prompts"] / 100  # tells the presets' workloads apart
+        return {"defaults": {"ratio_ours_over_vllm": {"output_tok_per_s": ratio}}}
+
+    monkeypatch.setattr(vs_vllm_env, "ensure_vllm", lambda venv, install: ("0.32 2.13", ""))
+    monkeypatch.setattr(vs_vllm_env, "make_checkpoint", fake_checkpoint)
+    monkeypatch.setattr(vs_vllm, "offline", fake_offline)
+    vs_vllm.main(["--presets", "tiny", "qwen2.5-0.5b", "--skip", "served", "--rounds", "1"])
+    result = json.loads(capsys.readouterr().out)
+    assert made == ["tiny", "qwen2.5-0.5b"]
+    assert result["ratios"] == {
+        "tiny": {"offline_defaults": 2.56},
+        "qwen2.5-0.5b": {"offline_defaults": 0.64},
+    }
+    assert set(result["cpu"]) == {"model", "amx_bf16", "avx512_bf16"}
+    assert "served" not in result["presets"]["tiny"]
+
+
+def test_without_vllm_the_bench_prints_its_plan_and_why_it_skipped(tmp_path):
+    bench = Path(__file__).resolve().parents[1] / "bench" / "vs_vllm.py"
+    cmd = [sys.executable, str(bench), "--no-install", "--vllm-venv", str(tmp_path / "none")]
+    res = subprocess.run(
+        [*cmd, "--presets", "qwen2.5-0.5b", "--quick"], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    assert result["skipped"].startswith("vLLM unavailable")
+    assert list(result["presets"]) == ["qwen2.5-0.5b"]
+    assert isinstance(result["cpu"]["avx512_bf16"], bool)
