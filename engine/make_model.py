@@ -239,7 +239,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.lora < 0:
         raise SystemExit("make-model: --lora must be at least 0")
-    path = make_model(args.arch, args.out, seed=args.seed, preset=args.preset, lora=args.lora)
+    try:
+        path = make_model(args.arch, args.out, seed=args.seed, preset=args.preset, lora=args.lora)
+    except ValueError as exc:  # a preset that the architecture cannot take
+        raise SystemExit(f"make-model: {exc}") from None
     config = json.loads((path / "config.json").read_text())
     print(
         json.dumps(

@@ -125,6 +125,14 @@ def test_real_shaped_presets_are_for_text_models_only(tmp_path):
     with pytest.raises(ValueError, match="preset: qwen2.5-0.5b"):
         make_model("gemma3", tmp_path, preset="qwen2.5-0.5b")
     assert not any(tmp_path.iterdir())
+    cli = [sys.executable, "-m", "epdserve.engine.cli", "make-model", "--arch", "gemma3"]
+    res = subprocess.run(
+        [*cli, "--preset", "llama3.2-1b", "--out", str(tmp_path / "g")],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "make-model: preset: llama3.2-1b is for text architectures" in res.stderr
 
 
 def _shrunk_qwen2_config():
