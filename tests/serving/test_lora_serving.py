@@ -211,4 +211,3 @@ def test_an_adapter_reloaded_from_other_files_never_meets_the_old_files_blocks(
     assert new == answer(client, "lora1")[0] != old  # lora1 is served from the same files
     assert answer(client, name) == (new, hit)  # and the new files' blocks are shared
     assert post(pod, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
-
