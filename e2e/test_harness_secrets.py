@@ -8,7 +8,7 @@ import podspec
 import pytest
 from ipool_samples import pool_body
 
-from epdserve.operator import cache, engine, kvevents, router
+from epdserve.operator import cache, engine, kvevents, prompt_key, router
 from epdserve.operator.spec import parse_pool
 
 POOL = parse_pool(
@@ -20,11 +20,17 @@ POOL = parse_pool(
 )
 KEYS = kvevents.new_curve_keys()
 SECRET = kvevents.build_curve_secret(POOL, KEYS)
+PROMPT_KEY = prompt_key.new_key()
 
 
 OBJECTS = {
     (o["kind"], o["metadata"]["name"]): o
-    for o in (SECRET, cache.build_redis_secret(POOL, "pw"), engine.build_config_map(POOL))
+    for o in (
+        SECRET,
+        prompt_key.build_secret(POOL, PROMPT_KEY),
+        cache.build_redis_secret(POOL, "pw"),
+        engine.build_config_map(POOL),
+    )
 }
 
 
@@ -51,6 +57,7 @@ def test_an_engine_pod_sees_its_ip_and_the_server_side_keys_only(tmp_path):
     env = podspec.container_env(pod, container, lookup, [], {})
     assert env["EPDSERVE_POD_IP"] == "198.18.1.9"
     assert env["EPDSERVE_KV_EVENTS_CURVE_DIR"] == kvevents.CURVE_DIR
+    assert env[prompt_key.ENV] == PROMPT_KEY  # the pool's processed-prompt key, from its Secret
     files = curve_dir(pod, tmp_path)
     assert files == {k: KEYS[k] for k in ("server.public", "server.secret", "client.public")}
 
