@@ -9,6 +9,7 @@ for them every image the encoder named is one the store lost."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -151,6 +152,11 @@ def test_the_router_sends_the_images_again_when_the_store_lost_them(pool, models
         resp = post(router.url, {**body(url), **extra})
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["message"]["content"] == offline_text(models, url)
+    # the core's counters reach /metrics with its next stats, maybe after the answer
+    deadline = time.monotonic() + 30
+    while pods["prefill"].metric("epdserve:encoder_runs_total") < runs + 2:
+        assert time.monotonic() < deadline, "the prefill pod did not encode both resends"
+        time.sleep(0.1)
     assert pods["prefill"].metric("epdserve:encoder_runs_total") == runs + 2
     retries = [
         line
