@@ -70,7 +70,6 @@ def main() -> None:
     flags = cpu_flags()
     out = {
         "cpu": {f: f in flags for f in ("amx_bf16", "avx512_bf16")} | {"cpus": os.cpu_count()},
-        "default_threads": core_threads_env().get("OMP_NUM_THREADS", "from OMP_NUM_THREADS"),
         "workload": vars(args),
         "models": {},
     }
@@ -84,6 +83,7 @@ def main() -> None:
                 print(f"{Path(model).name} threads={c}: {results[c][-1]['output_tok_per_s']:.0f}",
                       file=sys.stderr)  # fmt: skip
         table = {c: summary(v) for c, v in results.items()}
+        table[DEFAULT]["threads"] = core_threads_env(model).get("OMP_NUM_THREADS", "env")
         base = table[DEFAULT]["output_tok_per_s"]
         for c in counts:
             table[c]["ratio_to_default"] = table[c]["output_tok_per_s"] / base

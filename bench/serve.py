@@ -214,8 +214,8 @@ def main() -> None:
             model = str(make_model("llama", f"{tmp}/tiny", seed=0))
         reqs = make_workload(args.workload, args.requests, 7, args.prompt_len, args.output_len)
         base = offline(model, reqs, args)
-        # the served core's own thread count (all CPUs but one, or OMP_NUM_THREADS)
-        core_threads = core_threads_env().get("OMP_NUM_THREADS")
+        # the served core's own thread count (engine/cpus.py, or OMP_NUM_THREADS)
+        core_threads = core_threads_env(model).get("OMP_NUM_THREADS")
         same = offline(model, reqs, args, core_threads)
         proc, url = serve(model, args)
         try:

@@ -26,8 +26,9 @@ from epdserve.engine.core.interfaces import (
 )
 from epdserve.engine.core.pixel_cache import PixelSender
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
-from epdserve.engine.cpus import usable_cpus
+from epdserve.engine.cpus import core_threads, matmul_params, usable_cpus
 from epdserve.engine.inputs.prompt import ProcessedPrompt
+from epdserve.engine.models.config import load_model_config
 from epdserve.engine.outputs.output_processor import RequestState, StreamOutput, fan_out
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
@@ -35,16 +36,20 @@ from epdserve.engine.tokenizer import TokenizerInfo
 log = logging.getLogger("epdserve.frontend")
 
 
-def core_threads_env() -> dict[str, str]:
-    """OpenMP threads of the engine core: every CPU this process may use (its affinity within
-    its cgroup's CPU limit, ``engine/cpus.py``) but one, which the
-    API process keeps for HTTP, tokenizing and detokenizing (a core spinning in a parallel
-    region while the frontend holds one of its threads' CPUs stalls every step).
-    ``OMP_NUM_THREADS`` overrides. Measured on 2 cores (bench/serve.py): 2 threads with
-    sleeping workers 3.4k tok/s, 1 thread 4.9k tok/s."""
+def core_threads_env(model_dir: str | None = None) -> dict[str, str]:
+    """OpenMP threads of the engine core (``engine/cpus.py``): of the CPUs this process may
+    use (its affinity within its cgroup's CPU limit), all for a compute-bound model, else all
+    but one, which the API process keeps for HTTP, tokenizing and detokenizing.
+    ``OMP_NUM_THREADS`` overrides."""
     if os.environ.get("OMP_NUM_THREADS"):
         return {}
-    return {"OMP_NUM_THREADS": str(max(1, usable_cpus() - 1))}
+    params = 0
+    if model_dir is not None:
+        try:
+            params = matmul_params(load_model_config(model_dir))
+        except Exception as exc:  # the core reports a bad model itself: no guess here
+            log.debug("no model size for the thread count: %s", exc)
+    return {"OMP_NUM_THREADS": str(core_threads(usable_cpus(), params))}
 
 
 # the request-errors metric's cause of a core's error output, by its status (else "rejected")
@@ -99,7 +104,7 @@ class AsyncLLM:
         # and then stops the core; the core still dies with this process (PDEATHSIG).
         self.proc = subprocess.Popen(
             cmd,
-            env={**os.environ, **core_threads_env()},
+            env={**os.environ, **core_threads_env(self.config.model)},
             start_new_session=True,
             stdin=subprocess.PIPE,
         )

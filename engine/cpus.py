@@ -11,6 +11,27 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
+# a model whose matrix products hold at least this many weights per token keeps the served
+# core busy between the API process's bits of work: it gets every CPU. bench/core_threads.py
+# on 2 CPUs (docs/performance.md): at 1.3M (the tiny preset) every CPU but one served 1.6x
+# more tokens; at 54M and 387M every CPU served 1.6x more
+COMPUTE_BOUND_PARAMS = 10_000_000
+
+
+def matmul_params(cfg) -> int:
+    """Weights a token's forward multiplies by (a ``ModelConfig``): the decoder layers'
+    projections and the LM head."""
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * per_layer + cfg.vocab_size * h
+
+
+def core_threads(cpus: int, params: int) -> int:
+    """OpenMP threads of a served engine core on ``cpus`` CPUs for a model of ``params``
+    matmul weights per token: every CPU for a compute-bound model, else every CPU but one,
+    which the API process keeps (a parallel region whose thread lost its CPU to the API
+    process stalls the step, which costs more than the thread gives on a small model)."""
+    return cpus if params >= COMPUTE_BOUND_PARAMS else max(1, cpus - 1)
 
 
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
-from epdserve.engine.cpus import cgroup_cpu_limit, usable_cpus
+from epdserve.engine.cpus import (
+    COMPUTE_BOUND_PARAMS,
+    cgroup_cpu_limit,
+    core_threads,
+    matmul_params,
+    usable_cpus,
+)
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -67,3 +74,35 @@ def test_unreadable_or_odd_files_are_no_limit(tmp_path, content):
 def test_a_limit_above_the_affinity_leaves_the_affinity(tmp_path):
     root, proc = v2(tmp_path, f"{(AFFINITY + 8) * 100000} 100000")
     assert usable_cpus(root, proc) == AFFINITY
+
+
+def test_compute_bound_models_get_every_cpu_and_small_ones_leave_one_to_the_api():
+    assert core_threads(2, COMPUTE_BOUND_PARAMS) == 2
+    assert core_threads(2, COMPUTE_BOUND_PARAMS - 1) == 1
+    assert core_threads(1, 0) == 1 and core_threads(16, 0) == 15
+
+
+def test_the_presets_fall_on_the_measured_sides_of_the_bound(models):
+    """tiny (overhead-bound: every CPU but one served 1.6x more) below; make-model's
+    ``small`` (54M) and the Qwen2.5-0.5B shape (387M; every CPU served 1.6x more) above."""
+    from epdserve.engine.make_model import SIZES
+    from epdserve.engine.models.config import load_model_config
+
+    tiny = matmul_params(load_model_config(models.get("llama")))
+    assert tiny < COMPUTE_BOUND_PARAMS
+    hidden, layers, heads, kv, head_dim, inter = SIZES["small"]
+    small = SimpleNamespace(
+        hidden_size=hidden, q_size=heads * head_dim, kv_size=kv * head_dim,
+        intermediate_size=inter, num_layers=layers, vocab_size=4096,
+    )  # fmt: skip
+    assert matmul_params(small) > COMPUTE_BOUND_PARAMS
+
+
+def test_the_core_env_follows_the_model_unless_omp_num_threads_is_set(models, monkeypatch):
+    from epdserve.engine.async_llm import core_threads_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpus = usable_cpus()
+    assert core_threads_env(str(models.get("llama"))) == {"OMP_NUM_THREADS": str(max(1, cpus - 1))}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert core_threads_env(str(models.get("llama"))) == {}
