@@ -11,6 +11,7 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
+CPUS_ENV = "EPDSERVE_CPUS"
 # a model whose matrix products hold at least this many weights per token keeps the served
 # core busy between the API process's bits of work: it gets every CPU. bench/core_threads.py
 # on 2 CPUs (docs/performance.md): at 1.3M (the tiny preset) every CPU but one served 1.6x
@@ -50,7 +51,8 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) 
 
 def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
     """CPUs this process may use: its affinity, within its cgroup's limit rounded down (a
-    limit of 2.5 is 2 CPUs for threads that spin; never below 1)."""
+    limit of 2.5 is 2 CPUs for threads that spin; never below 1) and within ``EPDSERVE_CPUS``
+    (the operator's word: the pod's limit, else its request, which no cgroup file shows)."""
     if hasattr(os, "sched_getaffinity"):
         cpus = len(os.sched_getaffinity(0))
     else:
@@ -58,6 +60,9 @@ def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> in
     limit = cgroup_cpu_limit(root, proc_cgroup)
     if limit is not None:
         cpus = min(cpus, max(1, math.floor(limit)))
+    told = os.environ.get(CPUS_ENV, "")
+    if told.isdigit() and int(told) > 0:
+        cpus = min(cpus, int(told))
     return max(1, cpus)
 
 

@@ -96,15 +96,17 @@ def engine_env(pool: PoolSpec, role: str) -> list[dict]:
     env += lora.list_env(pool.lora, config_map, role)
     env += [{"name": f"EPDSERVE_{k}", "value": str(v)} for k, v in sorted(pool.tuning.items())]
     user = [dict(e) for e in pool.roles[role].env]
-    threads = core_threads(pool.roles[role].resources)
-    if threads and not any(e.get("name") == "OMP_NUM_THREADS" for e in user):
-        env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
+    cpus = pod_cpus(pool.roles[role].resources)
+    if cpus and not any(e.get("name") == CPUS_ENV for e in user):
+        env.append({"name": CPUS_ENV, "value": str(cpus)})
     return env + user
 
 
-def core_threads(resources: dict) -> int | None:
-    """Engine-core threads for a pod's CPU limit (else request): all CPUs but one, which the
-    API process keeps. None when neither is set (the engine then counts the node's CPUs)."""
+def pod_cpus(resources: dict) -> int | None:
+    """The CPUs an engine pod has: its CPU limit, else its request, rounded down (at least
+    1), for ``EPDSERVE_CPUS``; the engine then gives its core all of them or all but one,
+    by the model's size (engine/cpus.py). None when neither is set (the engine then counts
+    its affinity within its cgroup's limit)."""
     amount = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get(
         "cpu"
     )
@@ -115,7 +117,10 @@ def core_threads(resources: dict) -> int | None:
         cpus = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
     except ValueError:
         return None
-    return max(1, math.floor(cpus) - 1)
+    return max(1, math.floor(cpus))
+
+
+CPUS_ENV = "EPDSERVE_CPUS"  # read by epdserve.engine.cpus (the operator imports no engine)
 
 
 def engine_command(pool: PoolSpec, role: str) -> list[str]:

@@ -106,3 +106,12 @@ def test_the_core_env_follows_the_model_unless_omp_num_threads_is_set(models, mo
     assert core_threads_env(str(models.get("llama"))) == {"OMP_NUM_THREADS": str(max(1, cpus - 1))}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert core_threads_env(str(models.get("llama"))) == {}
+
+
+def test_the_operators_cpu_count_bounds_the_affinity(tmp_path, monkeypatch):
+    root, proc = v2(tmp_path, "max 100000")
+    monkeypatch.setenv("EPDSERVE_CPUS", "1")
+    assert usable_cpus(root, proc) == 1
+    for odd in ("0", "-2", "two", ""):
+        monkeypatch.setenv("EPDSERVE_CPUS", odd)
+        assert usable_cpus(root, proc) == AFFINITY

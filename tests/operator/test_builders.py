@@ -225,16 +225,17 @@ def test_builders_are_deterministic():
     assert desired_objects(parse_pool(body)) == desired_objects(parse_pool(body))
 
 
-def test_engine_core_threads_follow_the_cpu_limit_leaving_one_for_the_api_process():
+def test_engine_pods_are_told_their_cpu_limit_else_request_rounded_down():
     body = example("pd-redis")
     body["spec"]["roles"]["prefill"]["resources"] = {"limits": {"cpu": "8"}}
     body["spec"]["roles"]["decode"]["resources"] = {"requests": {"cpu": "1500m"}}
     pool = parse_pool(body)
-    assert env_of(engine.build_engine_deployment(pool, "prefill"))["OMP_NUM_THREADS"] == "7"
-    assert env_of(engine.build_engine_deployment(pool, "decode"))["OMP_NUM_THREADS"] == "1"
-    body["spec"]["roles"]["prefill"]["env"] = [{"name": "OMP_NUM_THREADS", "value": "3"}]
+    assert env_of(engine.build_engine_deployment(pool, "prefill"))["EPDSERVE_CPUS"] == "8"
+    assert env_of(engine.build_engine_deployment(pool, "decode"))["EPDSERVE_CPUS"] == "1"
+    assert "OMP_NUM_THREADS" not in env_of(engine.build_engine_deployment(pool, "prefill"))
+    body["spec"]["roles"]["prefill"]["env"] = [{"name": "EPDSERVE_CPUS", "value": "3"}]
     names = [
         e["name"]
         for e in container_of(engine.build_engine_deployment(parse_pool(body), "prefill"))["env"]
     ]
-    assert names.count("OMP_NUM_THREADS") == 1  # the user's own setting, not ours
+    assert names.count("EPDSERVE_CPUS") == 1  # the user's own setting, not ours
