@@ -4,7 +4,7 @@ with the cases of ``bench/vs_vllm.py`` (random 128/128 x 64, and with a 512-toke
 prefix), candidates in alternating order over rounds. Prints one JSON object: per knob and
 value, the median output tok/s and TTFT p50 of each case.
 
-    python bench/defaults_sweep.py [--rounds 2] [--knob block-size=16,32,64,128 ...]
+    python bench/defaults_sweep.py [--rounds 2] [--preset tiny] [--knob block-size=16,32,64,128 ...]
         [--knob max-num-batched-tokens=2048,4096] [--knob OMP_NUM_THREADS=1,2]
 
 A knob in capitals is an environment variable, else a ``serve`` flag. Needs vLLM's venv for
@@ -69,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--knob", action="append", default=None)
+    ap.add_argument("--preset", default="tiny", choices=sets.PRESETS)
     ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get(
         "EPDSERVE_VLLM_VENV", env.DEFAULT_VENV)))  # fmt: skip
     args = ap.parse_args()
@@ -79,8 +80,9 @@ def main() -> None:
     python = str(env.venv_python(args.vllm_venv))
     started = time.time()
     result = {"base_flags": sets.serve_flags("defaults", "epdserve"), "rounds": args.rounds}
+    result["preset"], result["cpu"] = args.preset, env.cpu_info()
     with tempfile.TemporaryDirectory() as tmp:
-        model = env.make_checkpoint(Path(tmp) / "tiny-llama-bf16", "tiny")
+        model = env.make_checkpoint(Path(tmp) / f"{args.preset}-llama-bf16", args.preset)
         for knob in args.knob or DEFAULT_KNOBS:
             result[knob] = sweep(python, model, knob, args.rounds, Path(tmp))
     result["wall_s"] = round(time.time() - started, 1)
