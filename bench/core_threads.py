@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from serve import make_workload, run_load, serve  # noqa: E402
 
-from epdserve.engine.async_llm import core_threads_env  # noqa: E402
+from epdserve.engine.cpus import core_threads_env  # noqa: E402
 from epdserve.kernels.native_build import cpu_flags  # noqa: E402
 
 DEFAULT = "default"

@@ -25,7 +25,7 @@ import time
 
 import httpx
 
-from epdserve.engine.async_llm import core_threads_env
+from epdserve.engine.cpus import core_threads_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -26,30 +26,13 @@ from epdserve.engine.core.interfaces import (
 )
 from epdserve.engine.core.pixel_cache import PixelSender
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
-from epdserve.engine.cpus import core_threads, matmul_params, usable_cpus
+from epdserve.engine.cpus import core_threads_env
 from epdserve.engine.inputs.prompt import ProcessedPrompt
-from epdserve.engine.models.config import load_model_config
 from epdserve.engine.outputs.output_processor import RequestState, StreamOutput, fan_out
 from epdserve.engine.sampling_params import SamplingParams
 from epdserve.engine.tokenizer import TokenizerInfo
 
 log = logging.getLogger("epdserve.frontend")
-
-
-def core_threads_env(model_dir: str | None = None) -> dict[str, str]:
-    """OpenMP threads of the engine core (``engine/cpus.py``): of the CPUs this process may
-    use (its affinity within its cgroup's CPU limit), all for a compute-bound model, else all
-    but one, which the API process keeps for HTTP, tokenizing and detokenizing.
-    ``OMP_NUM_THREADS`` overrides."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return {}
-    params = 0
-    if model_dir is not None:
-        try:
-            params = matmul_params(load_model_config(model_dir))
-        except Exception as exc:  # the core reports a bad model itself: no guess here
-            log.debug("no model size for the thread count: %s", exc)
-    return {"OMP_NUM_THREADS": str(core_threads(usable_cpus(), params))}
 
 
 # the request-errors metric's cause of a core's error output, by its status (else "rejected")

@@ -5,9 +5,14 @@ time and stall each other, so the limit counts."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
+
+from epdserve.engine.models.config import load_model_config
+
+log = logging.getLogger("epdserve.frontend")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -64,6 +69,22 @@ def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> in
     if told.isdigit() and int(told) > 0:
         cpus = min(cpus, int(told))
     return max(1, cpus)
+
+
+def core_threads_env(model_dir: str | None = None) -> dict[str, str]:
+    """OpenMP threads of the engine core (``engine/cpus.py``): of the CPUs this process may
+    use (its affinity within its cgroup's CPU limit), all for a compute-bound model, else all
+    but one, which the API process keeps for HTTP, tokenizing and detokenizing.
+    ``OMP_NUM_THREADS`` overrides."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return {}
+    params = 0
+    if model_dir is not None:
+        try:
+            params = matmul_params(load_model_config(model_dir))
+        except Exception as exc:  # the core reports a bad model itself: no guess here
+            log.debug("no model size for the thread count: %s", exc)
+    return {"OMP_NUM_THREADS": str(core_threads(usable_cpus(), params))}
 
 
 def _cgroup_paths(proc_cgroup: Path) -> list[tuple[int, str]]:

@@ -99,7 +99,7 @@ def test_the_presets_fall_on_the_measured_sides_of_the_bound(models):
 
 
 def test_the_core_env_follows_the_model_unless_omp_num_threads_is_set(models, monkeypatch):
-    from epdserve.engine.async_llm import core_threads_env
+    from epdserve.engine.cpus import core_threads_env
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cpus = usable_cpus()

@@ -37,8 +37,13 @@ def pod(model: str, role: str, kv_url: str, ec_url: str) -> ServerProcess:
 def pool(models, redis_server):
     if redis_server.proc is None:
         redis_server.start()
-    shared = redis_server.url  # db 0: KV blocks, and what prefill/decode read
-    lost = shared.rsplit("/", 1)[0] + "/1"  # the encoder's outputs: nobody else reads them
+    base = redis_server.url.rsplit("/", 1)[0]
+    # databases of this module alone, emptied first: the session's db 0 holds other modules'
+    # encoder outputs of the same images (this pool's name and model are theirs)
+    shared = base + "/2"  # KV blocks, and what prefill/decode read
+    lost = base + "/3"  # the encoder's outputs: nobody else reads them
+    for url in (shared, lost):
+        redis.Redis.from_url(url).flushdb()
     model = str(models.get("gemma3"))
     pods, router = {}, None
     try:
