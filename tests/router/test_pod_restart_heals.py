@@ -1,5 +1,6 @@
 """kill -9 a real ``epdserve serve`` pod (its whole process group: API and engine core) and
-restart it on the same ports: within 10 s of its return the real router's index holds none
+restart it on the same ports: soon after its return (the checks run every 2 s; 30 s allows a
+loaded machine) the real router's index holds none
 of the old process's blocks, and the old prefix is no longer routed to it as a prefix hit.
 
 The router scrapes pods only once here (``--scrape-interval 600``), so its health check
@@ -21,7 +22,7 @@ import pytest
 
 from epdserve.common import metrics_text
 
-HEAL_WITHIN = 10.0
+HEAL_WITHIN = 30.0  # a deadline, not a figure: 10 s ran out once under a loaded make test
 PROMPT = [(7 * i) % 3000 + 10 for i in range(130)]  # 8 full blocks of 16
 
 
