@@ -16,15 +16,9 @@ from epdserve.router.tokenize import PromptTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_pods import PARAMS, FakePool, decode, serve  # noqa: E402
+from test_disagg_flow import IMAGE_CHAT  # noqa: E402
 
 CHAT = "/v1/chat/completions"
-IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-TEXT = {"type": "text", "text": "what is this?"}
-IMAGE_CHAT = {
-    "model": "tiny",
-    "max_tokens": 5,
-    "messages": [{"role": "user", "content": [IMAGE, TEXT]}],
-}
 ITEM = {"id": "ab" * 32, "offset": 2, "length": 4}
 ENCODED = {"prompt_token_ids": [1, 9, 7, 7, 7, 7, 9, 5], "mm_items": [ITEM], "signature": "e"}
 PREFILLED = {**ENCODED, "signature": "p"}
