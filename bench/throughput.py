@@ -20,7 +20,8 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
+
+from epdserve.kernels.linear import linear
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -83,7 +84,7 @@ def run_transformers(model_dir: str, reqs, dtype: str, batch: int) -> dict:
 
 
 def decode_roofline(model_dir: str, dtype: str, batch: int, ctx: int, iters: int) -> dict:
-    """Decode forward FLOP/s vs the same matmuls alone (plain F.linear chain)."""
+    """Decode forward FLOP/s vs the same matmuls alone (the same linear() chain)."""
     from epdserve.engine import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=ctx + iters + 8, max_num_seqs=batch)
@@ -135,10 +136,10 @@ def decode_roofline(model_dir: str, dtype: str, batch: int, ctx: int, iters: int
 
     def matmuls():
         for layer in layers:
-            F.linear(x, layer.qkv_w)
-            F.linear(x, layer.o_w)
-            gu = F.linear(x, layer.gate_up_w)
-            F.linear(gu[:, : cfg.intermediate_size], layer.down_w)
+            linear(x, layer.qkv_w)
+            linear(x, layer.o_w)
+            gu = linear(x, layer.gate_up_w)
+            linear(gu[:, : cfg.intermediate_size], layer.down_w)
 
     matmuls()
     t = time.perf_counter()

@@ -22,6 +22,7 @@ from epdserve.engine.models.bidirectional import attend_spans
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.rope import cos_sin_cache
 from epdserve.kernels.backends import KernelBackend, get_backend
+from epdserve.kernels.linear import linear, pack
 
 if TYPE_CHECKING:
     from epdserve.engine.lora.batch import LoRABatch
@@ -110,6 +111,15 @@ class DecoderLM:
         """The gated MLP's activation (SwiGLU: SiLU)."""
         return F.silu(gate)
 
+    def pack_weights(self) -> None:
+        """Prepack the matrix products' weights for the device's kernels (``kernels.linear``):
+        each layer's four, and the LM head unless it is the (tied) embedding."""
+        for layer in self.layers:
+            layer.qkv_w, layer.o_w = pack(layer.qkv_w), pack(layer.o_w)
+            layer.gate_up_w, layer.down_w = pack(layer.gate_up_w), pack(layer.down_w)
+        if self.lm_head is not self.embed:
+            self.lm_head = pack(self.lm_head)
+
     # -- the model --
 
     def rope_cache(self, params: dict, max_positions: int) -> torch.Tensor:
@@ -145,7 +155,7 @@ class DecoderLM:
 
     def _attention(self, layer: DecoderLayer, x, meta, k_cache, v_cache) -> torch.Tensor:
         cfg = self.config
-        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+        qkv = linear(x, layer.qkv_w, layer.qkv_b)
         if meta.lora is not None:
             meta.lora.add(layer.index, ("q_proj", "k_proj", "v_proj"), x, qkv)
         norms = (layer.q_norm, layer.k_norm) if cfg.qk_norm else None
@@ -165,26 +175,26 @@ class DecoderLM:
         if meta.bidirectional_spans:
             attend_spans(out, q, k_cache, v_cache, meta, self.scale, layer.window)
         out = out.reshape(x.shape[0], cfg.q_size)
-        o = F.linear(out, layer.o_w)
+        o = linear(out, layer.o_w)
         if meta.lora is not None:
             meta.lora.add(layer.index, ("o_proj",), out, o)
         return o
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor, lora: LoRABatch | None = None):
-        gate_up = F.linear(x, layer.gate_up_w)
+        gate_up = linear(x, layer.gate_up_w)
         inter = self.config.intermediate_size
         if lora is None:
-            return F.linear(self.activation(gate_up[:, :inter]) * gate_up[:, inter:], layer.down_w)
+            return linear(self.activation(gate_up[:, :inter]) * gate_up[:, inter:], layer.down_w)
         lora.add(layer.index, ("gate_proj", "up_proj"), x, gate_up)
         h = self.activation(gate_up[:, :inter]) * gate_up[:, inter:]
-        down = F.linear(h, layer.down_w)
+        down = linear(h, layer.down_w)
         lora.add(layer.index, ("down_proj",), h, down)
         return down
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.kernels.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        logits = F.linear(x, self.lm_head).float()
+        logits = linear(x, self.lm_head).float()
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

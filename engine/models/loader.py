@@ -66,6 +66,7 @@ def load_model(
             return (1.0 + reader.get(prefix + name).float()).to(device).contiguous()
 
         load_gemma3_weights(model, get, get_norm)
+        model.pack_weights()
         return model
     model = DecoderLM(config, dtype, device, max_positions, kernels)
 
@@ -79,6 +80,7 @@ def load_model(
         raise ValueError("model: checkpoint is missing tensor 'lm_head.weight'")
     for i, layer in enumerate(model.layers):
         _load_layer(layer, f"layers.{i}.", get, config)
+    model.pack_weights()
     return model
 
 
