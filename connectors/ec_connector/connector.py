@@ -1,5 +1,7 @@
-"""One connector object per pod: ``stored`` (the encoder pod, before encoding), ``save_caches``
-and ``start_load_caches`` over a ``BlockStore``. Consumers load without asking first: one GET
+"""The encoder-cache connector in two halves. ``ECConnector`` moves the outputs (the worker
+half, or an encoder pod's only one): ``stored`` (the encoder pod, before encoding),
+``save_caches`` and ``start_load_caches`` over a ``BlockStore``. ``ECConnectorScheduler`` is
+what the scheduler needs (whether this pod consumes stored outputs) and opens no store. Consumers load without asking first: one GET
 per item, a miss is encoded (or fails the request of an image the pod never got). A store fault, or a stored output
 that fails verification (then deleted), is a miss: the pod encodes the image itself, and the
 miss is counted."""
@@ -13,6 +15,20 @@ import torch
 from epdserve.connectors.ec_connector.config import ECTransferConfig
 from epdserve.connectors.storage import create_store
 from epdserve.connectors.storage.transfer import EncoderOutputIO, rejection_counts
+
+
+class ECConnectorScheduler:
+    """The scheduler half: decides which encoder inputs a step loads rather than encodes."""
+
+    def __init__(self, config: ECTransferConfig):
+        self.config = config
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.config.is_consumer
+
+    def close(self) -> None:
+        return None
 
 
 class ECConnector:

@@ -1,81 +1,66 @@
-"""The engine core: ``step() = schedule → execute → update`` around one model."""
+"""The engine core: ``step() = schedule → execute → update``, the model behind an executor."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
-import msgspec
 import torch
 
+from epdserve.connectors.kv_connector import KVConnectorRole
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
-from epdserve.engine.core.interfaces import EngineCoreOutput, MMFeature, SchedulerStats
+from epdserve.engine.core.interfaces import (  # EngineCoreRequest: imported from here too
+    EngineCoreOutput,
+    EngineCoreRequest,
+    KVCacheConfig,
+    MMFeature,
+    SchedulerStats,
+    WorkerStats,
+)
 from epdserve.engine.core.kv_cache_groups import make_kv_cache_spec
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler, checked_mm_features
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.core.step_guard import StepGuard, maybe_fail
-from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
-from epdserve.engine.kv_transfer.setup import (
-    create_encoder_connector,
-    create_kv_connectors,
-    resolve_identity,
-    store_rejections,
+from epdserve.engine.executor.base import create_executor
+from epdserve.engine.executor.connector_halves import (
+    encoder_connector_scheduler,
+    kv_connector_half,
 )
+from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
+from epdserve.engine.kv_transfer.setup import resolve_identity, store_rejections
 from epdserve.engine.lora import core_side as lora_core
-from epdserve.engine.lora.request import LoRARequest
-from epdserve.engine.malloc import tune_heap
-from epdserve.engine.models.loader import load_model, load_vision_encoder
-from epdserve.engine.sampling_params import SamplingParams
+from epdserve.engine.models.config import ModelConfig, load_model_config
+from epdserve.engine.models.siglip import VisionConfig
 from epdserve.engine.structured.manager import StructuredOutputManager
-from epdserve.engine.worker.model_runner import ModelRunner, kv_block_bytes
-from epdserve.engine.worker.profiling import gpu_kv_budget
 
 log = logging.getLogger("epdserve.core")
 
-DEFAULT_KV_CACHE_CAP = 1 << 30
 IDLE_POLL_S = 0.001
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None = None
-    arrival_time: float = 0.0
-    kv_transfer_params: dict[str, Any] | None = None
-    mm_features: list[MMFeature] = []
-    cache_salt: str | None = None  # tenant isolation: folded into the first block's hash
-    label: str | None = None  # the client's X-Request-Id: logs and test fault injection only
-    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
-    priority: int = 0  # lower is served earlier under --scheduling-policy priority
-    client: str | None = None  # who sent it (the API's peer): grammar compiles take turns by it
-
-
 class EngineCore:
-    def __init__(self, config: EngineConfig):
-        config = self.config = resolve_identity(config)  # digest and hash seed, once
-        torch.manual_seed(config.seed)
-        tune_heap()  # activations stay in the heap between steps (engine/malloc.py)
-        dtype = getattr(torch, config.dtype)
-        device = torch.device(config.device)
-        from epdserve.engine.models.config import load_model_config
+    """Scheduler, KV cache manager and the connectors' scheduler halves around an executor:
+    the core never touches the model, the KV tensors or a runner (DESIGN.md §10)."""
 
+    def __init__(self, config: EngineConfig, executor_backend: str = "uni"):
+        config = self.config = resolve_identity(config)  # digest and hash seed, once
         model_cfg = load_model_config(config.model)
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-        self.model = load_model(
-            config.model,
-            dtype,
-            device,
-            max(self.max_model_len, model_cfg.max_position_embeddings),
-            config.attention_backend,
-        )
         hybrid = not (config.disable_hybrid_kv_cache_manager or config.kv_transfer_config)
         self.kv_spec = make_kv_cache_spec(model_cfg.layer_windows(), hybrid)
-        self.num_blocks = self._num_blocks(dtype)
+        resolved = replace(config, max_model_len=self.max_model_len)
+        self.executor = create_executor(resolved, executor_backend)
+        try:
+            self.num_blocks = self._num_blocks(model_cfg)
+            self.executor.initialize_kv_cache(KVCacheConfig(self.num_blocks, self.kv_spec))
+        except BaseException:  # a refused size: the workers' stores must not leak
+            self.executor.shutdown()
+            raise
         self.kv = KVCacheManager(
             self.num_blocks,
             config.block_size,
@@ -83,24 +68,23 @@ class EngineCore:
             config.enable_kv_events,
             self.kv_spec,
         )
-        connectors = create_kv_connectors(config, self._block_shape())
-        self.kv_connectors = connectors or ()
+        self.kv_connector = kv_connector_half(config, model_cfg, KVConnectorRole.SCHEDULER)
         coordinator = None
-        if connectors:
+        if self.kv_connector is not None:
             can_load = config.kv_transfer_config.is_consumer
-            coordinator = KVTransferCoordinator(connectors[0], self.kv, can_load)
-        self.vision_encoder = load_vision_encoder(config.model, dtype, device)
-        self.ec_connector = create_encoder_connector(config)
-        encoder = None
-        if self.vision_encoder is not None:
-            tokens = self.vision_encoder.config.mm_tokens_per_image
+            coordinator = KVTransferCoordinator(self.kv_connector, self.kv, can_load)
+        self.ec_connector = encoder_connector_scheduler(config)
+        self.mm_tokens_per_image, encoder = None, None
+        if model_cfg.multimodal:
+            tokens = VisionConfig.from_hf(model_cfg.multimodal).mm_tokens_per_image
+            self.mm_tokens_per_image = tokens
             budget = max(config.max_num_batched_tokens, tokens)
             encoder = EncoderScheduler(
                 cache_tokens=max(budget, 8 * tokens),
                 budget_tokens=budget,
                 ec_connector=self.ec_connector,
             )
-        self.lora = lora_core.make_manager(config, self.model)
+        self.lora = lora_core.make_manager(config, model_cfg)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -111,18 +95,6 @@ class EngineCore:
             self.lora,
             config.scheduling_policy,
         )
-        self.runner = ModelRunner(
-            self.model,
-            self.num_blocks,
-            config.block_size,
-            config.max_num_seqs,
-            self.max_model_len,
-            connectors[1] if connectors else None,
-            self.vision_encoder,
-            self.ec_connector,
-            self.kv_spec,
-            self.lora,
-        )
         hash_fn = get_hash_fn(config.prefix_caching_hash_algo)
         self.hasher = BlockHasher(config.block_size, hash_fn, none_hash(hash_fn, config.hash_seed))
         self.eos_token_ids = model_cfg.eos_token_ids
@@ -131,23 +103,26 @@ class EngineCore:
         )
         self.step_count = 0
         self.model_cpu_seconds = 0.0  # process CPU time spent in execute_model
+        self.worker_stats = WorkerStats()  # the workers' counters, as of the last step
         self.guard = StepGuard()
 
-    def _block_shape(self) -> tuple[int, ...]:
-        cfg = self.model.config
-        return (cfg.num_layers, 2, self.config.block_size, cfg.num_kv_heads, cfg.head_dim)
+    @property
+    def model(self):
+        """The in-process worker's model, for benches that time its forward
+        (bench/throughput.py); the core itself never uses it."""
+        return self.executor.worker.model
 
-    def _num_blocks(self, dtype: torch.dtype) -> int:
+    def _num_blocks(self, model_cfg: ModelConfig) -> int:
         cfg = self.config
-        per_block = kv_block_bytes(self.model, cfg.block_size, dtype, self.kv_spec.slots)
+        itemsize = getattr(torch, cfg.dtype).itemsize
+        per_block = self.kv_spec.slots * 2 * cfg.block_size * model_cfg.kv_size * itemsize
         need = 1 + self.kv_spec.blocks_per_request(
             cfg.block_size, self.max_model_len, cfg.max_num_batched_tokens
         )
-        device = torch.device(cfg.device)
         if cfg.kv_cache_memory is not None:
             num = cfg.kv_cache_memory // per_block
-        elif device.type == "cuda":  # what the weights and a profiled largest step leave
-            budget = gpu_kv_budget(self.model, self.kv_spec, cfg, self.max_model_len, device)
+        elif cfg.device.startswith("cuda"):  # what the weights and a profiled largest step leave
+            budget = self.executor.determine_available_memory(self.kv_spec)
             num = max(budget, 0) // per_block
             if num < need:
                 raise ValueError(
@@ -157,8 +132,9 @@ class EngineCore:
                     f"{per_block} bytes); raise it, or lower max_model_len or "
                     "max_num_batched_tokens"
                 )
-        else:
-            num = min(cfg.max_num_seqs * (need - 1) + 1, DEFAULT_KV_CACHE_CAP // per_block)
+        else:  # a host: enough for max_num_seqs sequences, up to the worker's cap
+            cap = self.executor.determine_available_memory(self.kv_spec)
+            num = min(cfg.max_num_seqs * (need - 1) + 1, cap // per_block)
         if num < need:
             raise ValueError(
                 f"kv_cache_memory: {num} blocks of {per_block} bytes cannot hold one "
@@ -213,9 +189,9 @@ class EngineCore:
     def _mm_features(self, req: EngineCoreRequest) -> list[MMFeature]:
         if not req.mm_features:
             return []
-        if self.vision_encoder is None:
+        if self.mm_tokens_per_image is None:
             raise ValueError("mm_features: this model takes no image inputs")
-        tokens = self.vision_encoder.config.mm_tokens_per_image
+        tokens = self.mm_tokens_per_image
         return checked_mm_features(req.mm_features, len(req.prompt_token_ids), tokens)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -236,11 +212,15 @@ class EngineCore:
             self.structured.fill(sched, self.scheduler.requests)
             maybe_fail("execute", sched.num_scheduled_tokens, self.scheduler.label_of)
             cpu = time.process_time()
-            result = self.runner.execute_model(sched)
+            if self.lora is not None and self.lora.slot_ops:
+                lora_core.send_slot_ops(self.lora, self.executor)
+            result = self.executor.execute_model(sched)
             self.model_cpu_seconds += time.process_time() - cpu
         except Exception as exc:  # one request's fault must not end every request
+            self._take_worker_stats(getattr(exc, "worker_stats", None))
             return self.guard.contain(self.scheduler, sched, exc)
         self.step_count += 1
+        self._take_worker_stats(result.worker_stats)
         if not sched.total_num_scheduled_tokens:
             time.sleep(IDLE_POLL_S)  # only connector work in flight: poll, don't spin
         outputs = self.scheduler.update_from_output(sched, result)
@@ -252,21 +232,23 @@ class EngineCore:
         self.guard.passed(result)
         return outputs
 
+    def _take_worker_stats(self, stats: WorkerStats | None) -> None:
+        if stats is not None:  # None: unchanged
+            self.worker_stats = stats
+
     def close(self) -> None:
-        for connector in self.kv_connectors:
-            connector.close()
-        if self.ec_connector is not None:
-            self.ec_connector.close()
-        if self.lora is not None:
-            self.lora.close()
+        for half in (self.kv_connector, self.ec_connector, self.lora):
+            if half is not None:
+                half.close()
         self.structured.close()
+        self.executor.shutdown()
 
     def take_events(self) -> list:
         """This step's KV events: the pod's own cache, then blocks its KV connector saved to
         the shared store."""
         events = self.kv.take_events()
-        for connector in self.kv_connectors:
-            events += connector.take_events()
+        if self.kv_connector is not None:
+            events += self.kv_connector.take_events()
         return events
 
     def stats(self) -> SchedulerStats:
@@ -283,18 +265,33 @@ class EngineCore:
             prompt_tokens_by_source=list(s.prompt_sources),
             failed_steps=self.guard.num_failed_steps,
         )
+        w = self.worker_stats  # the worker side encodes images and moves blocks
         if s.encoder is not None:
             stats.mm_queries, stats.mm_hits = s.encoder.cache.queries, s.encoder.cache.hits
-            stats.encoder_runs = self.runner.encoder_outputs.num_runs
-            stats.encoder_loads = self.runner.encoder_outputs.num_loads
-        for connector in self.kv_connectors:  # the worker side moves the blocks
-            stats.kv_save_failures += connector.stats().save_failures
+            stats.encoder_runs, stats.encoder_loads = w.encoder_runs, w.encoder_loads
+        stats.kv_save_failures = w.kv_save_failures
+        if self.kv_connector is not None:
+            stats.kv_save_failures += self.kv_connector.stats().save_failures
         if s.kv_transfer is not None:
             stats.external_queries = s.kv_transfer.queries
             stats.external_hits = s.kv_transfer.hits
             stats.kv_load_failures = s.kv_transfer.load_failures
-        stats.store_rejections = store_rejections(self.kv_connectors, self.ec_connector)
+        stats.store_rejections = merged_rejections(
+            store_rejections([self.kv_connector] if self.kv_connector else [], None),
+            w.store_rejections,
+        )
         stats.model_cpu_seconds = self.model_cpu_seconds
         if self.lora is not None:
             stats.running_loras, stats.waiting_loras = s.adapter_names()
         return stats
+
+
+def merged_rejections(*parts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Rejection counts of both halves, by kind and reason, summed."""
+    out: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for kind, reasons in part.items():
+            bucket = out.setdefault(kind, {})
+            for reason, n in reasons.items():
+                bucket[reason] = bucket.get(reason, 0) + n
+    return out

@@ -1,4 +1,5 @@
-"""The only objects crossing scheduler ↔ model runner and core ↔ frontend (msgpack-able)."""
+"""The only objects crossing scheduler ↔ executor (and its workers) and core ↔ frontend: all
+msgpack-able, so a worker in another process gets them as bytes, never pickled."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 import msgspec
 
 from epdserve.connectors.kv_connector import KVConnectorMetadata, KVConnectorOutput
+from epdserve.engine.core.kv_cache_groups import KVCacheSpec
+from epdserve.engine.lora.request import LoRARequest
 from epdserve.engine.sampling_params import SamplingParams
 
 # the status of a request whose images' encoder outputs no store could give and whose pixels
@@ -101,12 +104,46 @@ class Logprobs(msgspec.Struct, array_like=True):
     ranks: list[int]
 
 
+class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A worker's counters since it started (the scheduler reads no worker state: they come
+    with the step's output, whenever they changed)."""
+
+    encoder_runs: int = 0  # images the vision encoder actually encoded
+    encoder_loads: int = 0  # images loaded from the shared encoder-output store
+    kv_save_failures: int = 0  # KV blocks its connector half could not store
+    # stored values its connector halves refused on load (each deleted), by kind and reason
+    store_rejections: dict[str, dict[str, int]] = {}
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # empty list: a partial prefill chunk, nothing sampled
     logprobs: dict[str, Logprobs] = {}
     prompt_logprobs: dict[str, Logprobs] = {}
     kv_connector_output: KVConnectorOutput | None = None
+    worker_stats: WorkerStats | None = None  # None: unchanged since the last step's
+
+
+class KVCacheConfig(msgspec.Struct, array_like=True):
+    """The core's word to every worker on the paged KV cache it must allocate."""
+
+    num_blocks: int
+    spec: KVCacheSpec  # its groups, and the layers per group (the tensor's second dim)
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    kv_transfer_params: dict[str, Any] | None = None
+    mm_features: list[MMFeature] = []
+    cache_salt: str | None = None  # tenant isolation: folded into the first block's hash
+    label: str | None = None  # the client's X-Request-Id: logs and test fault injection only
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    priority: int = 0  # lower is served earlier under --scheduling-policy priority
+    client: str | None = None  # who sent it (the API's peer): grammar compiles take turns by it
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

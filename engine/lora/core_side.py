@@ -1,5 +1,5 @@
-"""The engine core's LoRA glue: its manager from the config, a request's adapter checked at
-add, and requests whose adapter failed to load answered (400)."""
+"""The engine core's LoRA glue: its manager (the scheduler half) from the config, a request's
+adapter checked at add, slot placements handed to the executor, the API's add/remove applied."""
 
 from __future__ import annotations
 
@@ -13,20 +13,30 @@ from epdserve.engine.lora.request import LoRARequest
 if TYPE_CHECKING:
     from epdserve.engine.config import EngineConfig
     from epdserve.engine.core.request_queues import RequestQueues
+    from epdserve.engine.executor.base import Executor
+    from epdserve.engine.models.config import ModelConfig
 
 
-def make_manager(config: EngineConfig, model) -> LoRAManager | None:
+def make_manager(config: EngineConfig, model_cfg: ModelConfig) -> LoRAManager | None:
     """The core's adapters (None unless ``enable_lora``)."""
     if not config.enable_lora:
         return None
     return LoRAManager(
-        model.config,
-        config.max_loras,
-        config.max_lora_rank,
-        config.max_cpu_loras or config.max_loras,
-        model.dtype,
-        model.device,
+        model_cfg, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras
     )
+
+
+def send_slot_ops(manager: LoRAManager, executor: Executor) -> None:
+    """Hand the workers the slot placements and clears queued since the last step, in order.
+    Each leaves the queue once the executor took it, so one that raised is sent again."""
+    ops = manager.slot_ops
+    while ops:
+        op = ops[0]
+        if isinstance(op, int):
+            executor.remove_lora(op)
+        else:
+            executor.add_lora(op)
+        ops.pop(0)
 
 
 def check_request(manager: LoRAManager | None, lora: LoRARequest | None) -> None:

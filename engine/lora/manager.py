@@ -1,14 +1,15 @@
-"""The engine core's adapters: read off the step loop into a host LRU, placed on device slots.
+"""The scheduler half of LoRA: adapters read off the step loop into a host LRU, and which one
+sits on which device slot.
 
-A background thread reads an adapter's files (``peft_files``) into fp32 host tensors, checked
+A background thread reads an adapter's files (``peft_files``) into fp32 host bytes, checked
 against the digest they had when the adapter was loaded; up to ``max_cpu_loras`` stay there
 (least recently used leaves first), keyed by that digest, so names over the same files share
 one read. Reads in flight are bounded by the same number: the core holds at most twice
 ``max_cpu_loras`` adapters' host weights, however many names are loaded. A request runs only when its
-adapter is on one of the ``max_loras`` device slots: stacked A/B per layer and target module,
-zero-padded to ``max_lora_rank``, which the decoder reads through ``LoRABatch``. Placing an
-adapter is a host-to-device copy between steps; a slot evicted (least recently used first) is
-never one that a running request uses: the scheduler names those (``busy``).
+adapter is on one of the ``max_loras`` device slots. Placing an adapter queues a
+``LoRASlotLoad`` that the core hands to the executor before the next step (``slot_ops``); the
+workers' ``LoRASlots`` (``slots.py``) hold the device stacks. A slot evicted (least recently
+used first) is never one that a running request uses: the scheduler names those (``busy``).
 """
 
 from __future__ import annotations
@@ -17,16 +18,10 @@ import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
 from epdserve.engine.lora.digest import read_weights
-from epdserve.engine.lora.peft_files import (
-    TARGET_MODULES,
-    inspect_adapter,
-    load_adapter,
-    module_shapes,
-)
+from epdserve.engine.lora.peft_files import inspect_adapter, load_adapter
 from epdserve.engine.lora.request import LoRARequest
+from epdserve.engine.lora.slots import LoRAModuleWeights, LoRASlotLoad, encode_weights
 from epdserve.engine.models.config import ModelConfig
 
 log = logging.getLogger("epdserve.lora")
@@ -39,43 +34,22 @@ class LoRALoadError(ValueError):
 
 
 class LoRAManager:
-    """Adapters by int id: being read, on the host, on device slots; the stacks the model reads.
+    """Adapters by int id: being read, on the host, on device slots (the slot table only: the
+    weights are the workers'). ``slot_ops`` lists what the workers must do before the next
+    step, in order: a ``LoRASlotLoad``, or the int of a slot to clear."""
 
-    ``stacks[layer][module] = (A [S, r_max, in], B [S, out, r_max])`` and ``scaling [S]`` are
-    allocated once; slot ``s`` of every stack holds one adapter (zeros where it has no
-    weights)."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        max_loras: int,
-        max_rank: int,
-        max_cpu_loras: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int):
         self.cfg, self.max_rank, self.max_cpu_loras = cfg, max_rank, max_cpu_loras
-        shapes = module_shapes(cfg)
-        self.stacks = [
-            {
-                m: (
-                    torch.zeros(max_loras, max_rank, shapes[m][0], dtype=dtype, device=device),
-                    torch.zeros(max_loras, shapes[m][1], max_rank, dtype=dtype, device=device),
-                )
-                for m in TARGET_MODULES
-            }
-            for _ in range(cfg.num_layers)
-        ]
-        self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.slot_owner: list[int | None] = [None] * max_loras
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self.names: dict[int, str] = {}  # lora id -> name, of adapters on slots
         self.keys: dict[int, str] = {}  # lora id -> content key, of adapters on slots
         # host weights by content (the digest of the files): names over the same files share
         # one read and one entry; at most ``max_cpu_loras`` entries, least recently used out
-        self.host: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+        self.host: OrderedDict[str, tuple[float, list[LoRAModuleWeights]]] = OrderedDict()
         self.loading: dict[str, Future] = {}  # reads in flight, at most ``max_cpu_loras``
         self.failed: OrderedDict[str, str] = OrderedDict()
+        self.slot_ops: list[LoRASlotLoad | int] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self.num_loads = self.num_slot_writes = 0
 
@@ -101,7 +75,7 @@ class LoRAManager:
             return
         self.loading[key] = self._pool.submit(self._read, lora)
 
-    def _read(self, lora: LoRARequest) -> tuple[float, dict]:
+    def _read(self, lora: LoRARequest) -> tuple[float, list[LoRAModuleWeights]]:
         spec = inspect_adapter(lora.lora_path, self.cfg, self.max_rank)
         data, digest = read_weights(lora.lora_path)
         if lora.digest is not None and digest != lora.digest:
@@ -109,7 +83,7 @@ class LoRAManager:
                 "lora_path: the adapter's files changed since it was loaded; load it again "
                 "(unload, then /v1/load_lora_adapter) to serve the new files"
             )
-        return spec.scaling, load_adapter(spec, data)
+        return spec.scaling, encode_weights(load_adapter(spec, data))
 
     def _collect(self, last: str | None = None) -> None:
         """Move finished reads to the host LRU (``last`` the most recent of them)."""
@@ -132,7 +106,7 @@ class LoRAManager:
             while len(self.host) > self.max_cpu_loras:
                 self.host.popitem(last=False)
 
-    def _host_weights(self, lora: LoRARequest) -> tuple[float, dict] | None:
+    def _host_weights(self, lora: LoRARequest) -> tuple[float, list[LoRAModuleWeights]] | None:
         """The adapter's host weights; None while being read. ``LoRALoadError`` if unreadable."""
         key = self.content_key(lora)
         self._collect(last=key)
@@ -171,8 +145,9 @@ class LoRAManager:
         slot = self._free_slot(busy)
         if slot is None:
             return False
-        self._write(slot, *weights)
         lid = lora.lora_int_id
+        self.slot_ops.append(LoRASlotLoad(slot, lid, *weights))
+        self.num_slot_writes += 1
         self.slot_owner[slot] = lid
         self.slots[lid] = slot
         self.names[lid] = lora.lora_name
@@ -198,26 +173,17 @@ class LoRAManager:
             self.keys.pop(lid, None)
 
     def forget(self, lora: LoRARequest) -> None:
-        """Drop adapter ``lora`` (no live request may use it): its slot, a remembered failure
-        of its files and their host weights, unless an adapter on a slot shares them."""
+        """Drop adapter ``lora`` (no live request may use it): its slot (the workers clear
+        it), a remembered failure of its files and their host weights, unless an adapter on a
+        slot shares them."""
+        slot = self.slots.get(lora.lora_int_id)
         self.release(lora.lora_int_id)
+        if slot is not None:
+            self.slot_ops.append(slot)
         key = self.content_key(lora)
         self.failed.pop(key, None)
         if key not in self.keys.values():
             self.host.pop(key, None)
-
-    def _write(self, slot: int, scaling: float, weights: dict) -> None:
-        for layer, stacks in enumerate(self.stacks):
-            for module, (a_stack, b_stack) in stacks.items():
-                a_stack[slot].zero_()
-                b_stack[slot].zero_()
-                pair = weights.get((layer, module))
-                if pair is not None:
-                    a, b = pair
-                    a_stack[slot, : a.shape[0]].copy_(a)
-                    b_stack[slot, :, : b.shape[1]].copy_(b)
-        self.scaling[slot] = scaling
-        self.num_slot_writes += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

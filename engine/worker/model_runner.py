@@ -27,11 +27,6 @@ from epdserve.engine.worker.mm_inputs import EncoderOutputs, place_image_embeddi
 from epdserve.kernels import native
 
 
-def kv_block_bytes(model: DecoderLM, block_size: int, dtype: torch.dtype, slots: int) -> int:
-    cfg = model.config
-    return slots * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -69,7 +64,7 @@ class ModelRunner:
             EncoderOutputs(vision_encoder, ec_connector) if vision_encoder else None
         )
         self.mm_features: dict[str, list] = {}  # request -> its multimodal items
-        self.lora = lora  # the core's LoRAManager (its stacks and scaling), if LoRA is on
+        self.lora = lora  # the worker's LoRASlots (its stacks and scaling), if LoRA is on
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache)
 

@@ -35,7 +35,7 @@ def prompts(full: bool) -> list[list[int]]:
 
 
 def block_bytes(llm) -> int:
-    cfg = llm.engine.model.config
+    cfg = llm.engine.executor.worker.model.config
     return llm.engine.kv_spec.slots * 2 * BLOCK * cfg.num_kv_heads * cfg.head_dim * 4
 
 
@@ -70,7 +70,7 @@ def run(model: str, backend: str, full: bool) -> dict:
             llm = None
             release()
             llm = LLM(model=model, attention_backend=backend, **common, **kw)
-        assert llm.engine.model.kernels.name == backend
+        assert llm.engine.executor.worker.model.kernels.name == backend
         outs = llm.generate(batch, greedy)
         if name == "prefix-hits":
             outs += llm.generate(batch, greedy)

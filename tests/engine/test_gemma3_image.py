@@ -56,7 +56,7 @@ def test_image_prompts_match_transformers_and_each_image_is_encoded_once(referen
     llm = LLM(model=str(path), max_model_len=512, **regime)
     outs = llm.chat([conversation(i, t) for i, t in CASES], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.engine.runner.encoder_outputs.num_runs == 2  # two distinct images
+    assert llm.engine.stats().encoder_runs == 2  # two distinct images
     assert_no_leak(llm)
 
 
@@ -64,14 +64,14 @@ def test_a_repeated_image_is_served_from_the_caches_not_encoded_again(reference)
     path, expected = reference
     llm = LLM(model=str(path), max_model_len=512)
     first = llm.chat(conversation(0, 1), GREEDY)[0]
-    assert llm.engine.runner.encoder_outputs.num_runs == 1
+    assert llm.engine.stats().encoder_runs == 1
     again = llm.chat(conversation(0, 1), GREEDY)[0]  # identical: the prefix cache covers it
     assert again.outputs[0].token_ids == first.outputs[0].token_ids == expected[2]
     assert again.num_cached_tokens >= 16
     other_text = llm.chat(conversation(0, 0), GREEDY)[0]  # same image, other text
     assert other_text.outputs[0].token_ids == expected[0]
     assert llm.engine.scheduler.encoder.cache.hits == 1  # the encoder cache served it
-    assert llm.engine.runner.encoder_outputs.num_runs == 1
+    assert llm.engine.stats().encoder_runs == 1
     assert_no_leak(llm)
 
 
@@ -119,11 +119,11 @@ def test_pan_and_scan_crops_match_transformers_and_are_encoded_as_items(models):
     out = llm.chat(conv, GREEDY)[0]
     assert out.prompt_token_ids == inputs.input_ids[0].tolist()
     assert out.outputs[0].token_ids == expected
-    assert llm.engine.runner.encoder_outputs.num_runs == 1 + crops  # the original and each crop
+    assert llm.engine.stats().encoder_runs == 1 + crops  # the original and each crop
     # turned off for one request: another identifier, just the original image encoded
     plain = llm.chat(conv, GREEDY, mm_processor_kwargs={"do_pan_and_scan": False})[0]
     assert len(plain.prompt_token_ids) < len(out.prompt_token_ids)
-    assert llm.engine.runner.encoder_outputs.num_runs == 2 + crops
+    assert llm.engine.stats().encoder_runs == 2 + crops
     with pytest.raises(ValueError, match="mm_processor_kwargs.pan_and_scan_max_num_crops"):
         llm.chat(conv, GREEDY, mm_processor_kwargs={"pan_and_scan_max_num_crops": "4"})
     assert_no_leak(llm)

@@ -89,7 +89,7 @@ def test_the_offline_engine_stamps_the_digest_and_serves_the_new_files_under_an_
 def test_many_names_over_one_set_of_files_are_read_once(setup):
     path, (a, _, _) = setup
     cfg = load_model_config(path)
-    manager = LoRAManager(cfg, 2, 16, 2, torch.float32, torch.device("cpu"))
+    manager = LoRAManager(cfg, 2, 16, 2)
     digest = adapter_digest(a)
     names = [LoRARequest(f"n{i}", i + 1, str(a), digest=digest) for i in range(200)]
     for lora in names:
@@ -105,7 +105,7 @@ def test_many_names_over_one_set_of_files_are_read_once(setup):
 def test_host_weights_and_reads_in_flight_stay_within_max_cpu_loras(setup, tmp_path):
     path, (a, b, c) = setup
     cfg = load_model_config(path)
-    manager = LoRAManager(cfg, 2, 16, 2, torch.float32, torch.device("cpu"))
+    manager = LoRAManager(cfg, 2, 16, 2)
     loras = []
     for i in range(12):  # twelve distinct sets of files: copies with a marker in the config
         d = tmp_path / f"copy{i}"
@@ -126,7 +126,7 @@ def test_host_weights_and_reads_in_flight_stay_within_max_cpu_loras(setup, tmp_p
 def test_files_changed_since_the_load_fail_the_request_naming_why(setup, tmp_path):
     path, (a, b, _) = setup
     cfg = load_model_config(path)
-    manager = LoRAManager(cfg, 1, 16, 1, torch.float32, torch.device("cpu"))
+    manager = LoRAManager(cfg, 1, 16, 1)
     lora = LoRARequest("x", 1, str(b), digest=adapter_digest(a))
     with pytest.raises(LoRALoadError, match="'x': lora_path: the adapter's files changed"):
         wait_read(manager, lora)

@@ -1,5 +1,6 @@
-"""Device slots of the LoRA manager: least recently used first, never one a running request
-uses; adapters are read off the step loop; an unreadable one fails with its reason."""
+"""Device slots of LoRA: the scheduler half (``LoRAManager``) places adapters least recently
+used first, never on a slot a running request uses, reads them off the step loop and fails an
+unreadable one with its reason; the worker half (``LoRASlots``) writes what it is sent."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from epdserve.engine.lora.manager import LoRALoadError, LoRAManager
 from epdserve.engine.lora.random_adapters import write_random_adapters
 from epdserve.engine.lora.request import LoRARequest
+from epdserve.engine.lora.slots import LoRASlotLoad, LoRASlots
 from epdserve.engine.models.config import load_model_config
 
 
@@ -36,7 +38,7 @@ def placed(manager: LoRAManager, lora: LoRARequest, busy=frozenset()) -> bool:
 
 def test_slots_are_reused_least_recently_used_first_but_never_when_busy(setup):
     cfg, (a, b, c) = setup
-    manager = LoRAManager(cfg, 2, 16, 3, torch.float32, torch.device("cpu"))
+    manager = LoRAManager(cfg, 2, 16, 3)
     assert placed(manager, a) and placed(manager, b)
     assert manager.slot_of(a) == 0 and manager.slot_of(b) == 1
     assert placed(manager, a)  # a is now the most recently used
@@ -52,19 +54,37 @@ def test_slots_are_reused_least_recently_used_first_but_never_when_busy(setup):
 
 def test_slot_holds_the_weights_padded_to_the_maximum_rank(setup):
     cfg, (a, b, _) = setup
-    manager = LoRAManager(cfg, 1, 16, 1, torch.float32, torch.device("cpu"))
+    manager = LoRAManager(cfg, 1, 16, 1)
+    worker = LoRASlots(cfg, 1, 16, torch.float32, torch.device("cpu"))
     assert placed(manager, b)
     assert placed(manager, a)  # rank 8 over b's rank 16: the rest must be zeros again
-    a_stack, b_stack = manager.stacks[1]["k_proj"]
+    assert [(op.slot, op.lora_int_id) for op in manager.slot_ops] == [(0, 2), (0, 1)]
+    for op in manager.slot_ops:
+        worker.load(op)
+    a_stack, b_stack = worker.stacks[1]["k_proj"]
     assert a_stack.shape == (1, 16, 128) and b_stack.shape == (1, 64, 16)
     assert a_stack[0, :8].abs().sum() > 0 and a_stack[0, 8:].abs().sum() == 0
-    assert b_stack[0, :, 8:].abs().sum() == 0 and manager.scaling[0] == 2.0
+    assert b_stack[0, :, 8:].abs().sum() == 0 and worker.scaling[0] == 2.0
+    manager.close()
+
+
+def test_an_unloaded_adapter_on_a_slot_has_that_slot_cleared_on_the_workers(setup):
+    from types import SimpleNamespace
+
+    from epdserve.engine.lora.core_side import LoRAMessage, apply_message
+
+    cfg, (a, _, _) = setup
+    manager = LoRAManager(cfg, 1, 16, 1)
+    assert placed(manager, a)
+    apply_message(manager, SimpleNamespace(requests={}), LoRAMessage("remove", a))
+    load, clear = manager.slot_ops
+    assert isinstance(load, LoRASlotLoad) and clear == 0
     manager.close()
 
 
 def test_an_unreadable_adapter_fails_with_its_reason(setup, tmp_path):
     cfg, _ = setup
-    manager = LoRAManager(cfg, 1, 16, 1, torch.float32, torch.device("cpu"))
+    manager = LoRAManager(cfg, 1, 16, 1)
     missing = LoRARequest("gone", 7, str(tmp_path / "gone"))
     with pytest.raises(LoRALoadError, match="'gone': lora_path: .* is not a directory"):
         placed(manager, missing)
@@ -79,7 +99,7 @@ def test_an_unloaded_adapter_leaves_its_slot_and_host_memory(setup):
     from epdserve.engine.lora.core_side import LoRAMessage, apply_message
 
     cfg, (a, b, _) = setup
-    manager = LoRAManager(cfg, 2, 16, 2, torch.float32, torch.device("cpu"))
+    manager = LoRAManager(cfg, 2, 16, 2)
     assert placed(manager, a) and placed(manager, b)
     user = SimpleNamespace(lora=b)  # a live request of b keeps it
     queues = SimpleNamespace(requests={"r": user})

@@ -148,7 +148,7 @@ def test_offline_a_salted_image_is_encoded_apart_and_shared_within_its_salt(mode
 
     run("look", None)
     run("see", "tenant-a")  # other text: only the encoder cache could serve the image
-    assert llm.engine.runner.encoder_outputs.num_runs == 2
+    assert llm.engine.stats().encoder_runs == 2
     run("view", "tenant-a")
-    assert llm.engine.runner.encoder_outputs.num_runs == 2
+    assert llm.engine.stats().encoder_runs == 2
     assert llm.engine.scheduler.encoder.cache.hits == 1

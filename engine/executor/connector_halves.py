@@ -1,0 +1,59 @@
+"""Which half of each connector lives on which side of the executor: the core builds the
+scheduler halves, every worker its own worker halves, from the same resolved config (so both
+name blocks and stored values by the same fingerprint)."""
+
+from __future__ import annotations
+
+import logging
+
+from epdserve.connectors.ec_connector import ECConnector, ECConnectorScheduler
+from epdserve.connectors.kv_connector import (
+    KVConnectorBase,
+    KVConnectorRole,
+    KVLayout,
+    create_connector,
+)
+from epdserve.engine.config import EngineConfig
+from epdserve.engine.kv_transfer.setup import create_encoder_connector, model_fingerprint
+from epdserve.engine.models.config import ModelConfig
+
+log = logging.getLogger("epdserve.kv_transfer")
+
+
+def kv_block_shape(config: EngineConfig, model_cfg: ModelConfig) -> tuple[int, ...]:
+    """One stored block: every layer's K and V of ``block_size`` tokens."""
+    return (model_cfg.num_layers, 2, config.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+
+
+def kv_connector_half(
+    config: EngineConfig, model_cfg: ModelConfig, role: KVConnectorRole
+) -> KVConnectorBase | None:
+    """The ``role`` half of ``config.kv_transfer_config``'s connector, or None; the config is
+    resolved (``resolve_identity``)."""
+    transfer = config.kv_transfer_config
+    if transfer is None:
+        return None
+    algo = config.prefix_caching_hash_algo
+    shape = kv_block_shape(config, model_cfg)
+    fp = model_fingerprint(config.model_digest, config.dtype, shape, config.block_size, algo)
+    if role == KVConnectorRole.SCHEDULER:  # once per pod
+        log.info(
+            "KV connector %s (%s), pool %r, fingerprint %s",
+            transfer.kv_connector,
+            transfer.kv_role,
+            transfer.pool,
+            fp,
+        )
+    return create_connector(transfer, role, KVLayout(fp, config.block_size, algo))
+
+
+def encoder_connector_scheduler(config: EngineConfig) -> ECConnectorScheduler | None:
+    """The encoder-cache connector's scheduler half (no store), or None."""
+    if config.ec_transfer_config is None:
+        return None
+    return ECConnectorScheduler(config.ec_transfer_config)
+
+
+def encoder_connector_worker(config: EngineConfig) -> ECConnector | None:
+    """The encoder-cache connector's worker half (it loads and saves outputs), or None."""
+    return create_encoder_connector(config)
