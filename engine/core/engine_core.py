@@ -211,9 +211,9 @@ class EngineCore:
         try:
             self.structured.fill(sched, self.scheduler.requests)
             maybe_fail("execute", sched.num_scheduled_tokens, self.scheduler.label_of)
-            cpu = time.process_time()
             if self.lora is not None and self.lora.slot_ops:
                 lora_core.send_slot_ops(self.lora, self.executor)
+            cpu = time.process_time()
             result = self.executor.execute_model(sched)
             self.model_cpu_seconds += time.process_time() - cpu
         except Exception as exc:  # one request's fault must not end every request

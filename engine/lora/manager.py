@@ -164,8 +164,8 @@ class LoRAManager:
         return None
 
     def release(self, lid: int) -> None:
-        """Take adapter ``lid`` off its slot (its weights stay in the stacks until overwritten;
-        no request may point at the slot)."""
+        """Take adapter ``lid`` off its slot (its weights stay in the workers' stacks until
+        overwritten; no request may point at the slot)."""
         slot = self.slots.pop(lid, None)
         if slot is not None:
             self.slot_owner[slot] = None

@@ -9,7 +9,6 @@ import shutil
 import time
 
 import pytest
-import torch
 
 from epdserve.connectors.kv_events import BlockStored, EventBatch, EventDecoder, EventEncoder
 from epdserve.connectors.kv_events.keys import request_keys, root_key
