@@ -33,7 +33,9 @@ def test_a_pod_with_a_kv_store_an_encoder_store_and_no_seed_reads_its_weights_on
     assert len(reads) == 1
     digest = core.config.model_digest
     assert core.config.hash_seed == f"epdserve-model:{digest}"
-    assert core.executor.worker.ec_connector.io.meta.fingerprint == setup.encoder_fingerprint(digest, "float32")
+    assert core.executor.worker.ec_connector.io.meta.fingerprint == setup.encoder_fingerprint(
+        digest, "float32"
+    )
     core.close()
 
 
