@@ -43,7 +43,11 @@ class EngineConfig:
         None, "bytes of KV cache (default: enough for --max-num-seqs, capped; on CUDA: profiled)"
     )
     max_num_seqs: int = setting(256, "most sequences running at once")
-    max_num_batched_tokens: int = setting(2048, "most tokens one step computes")
+    max_num_batched_tokens: int | None = setting(
+        None,
+        "most tokens one step computes (default: 2048; on cpu down to 512 for large models, "
+        "so a step's first tokens are not held back: engine/cpus.py)",
+    )
     scheduling_policy: str = setting(
         "fcfs",
         "fcfs: waiting requests start in arrival order; priority: by the request's "
@@ -125,7 +129,7 @@ class EngineConfig:
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(

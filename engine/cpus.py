@@ -40,6 +40,45 @@ def core_threads(cpus: int, params: int) -> int:
     return cpus if params >= COMPUTE_BOUND_PARAMS else max(1, cpus - 1)
 
 
+# The batched-token budget on cpu. A step's matrix products cost 2 x tokens x the layers'
+# weights FLOPs; a step's first tokens all come out at its end, so a long step holds back
+# every first token it computes (TTFT). The budget is the largest power of two from 2,048
+# down to 512 whose step stays within this many FLOPs per core thread (about half a second on
+# the CPUs measured). bench/defaults_sweep.py at the 0.5B shape on 2 CPUs
+# (docs/performance.md): 512 against 2,048, TTFT p50 4.5 s vs 5.9 s and 402 vs 376 tok/s;
+# the tiny and 54M models stay at 2,048, where per-step overhead is the cost.
+DEFAULT_BATCHED_TOKENS = 2048
+MIN_BATCHED_TOKENS = 512
+STEP_FLOPS_PER_THREAD = 2e11
+
+
+def layer_params(cfg) -> int:
+    """Weights every token of a step multiplies by: ``matmul_params`` less the LM head (which
+    only the rows that sample run)."""
+    return matmul_params(cfg) - cfg.vocab_size * cfg.hidden_size
+
+
+def batched_tokens(threads: int, params: int) -> int:
+    """The cpu default of ``max_num_batched_tokens`` for a core of ``threads`` OpenMP threads
+    and a model of ``params`` weights per token (``layer_params``)."""
+    budget = DEFAULT_BATCHED_TOKENS
+    while budget > MIN_BATCHED_TOKENS and 2 * budget * params > threads * STEP_FLOPS_PER_THREAD:
+        budget //= 2
+    return budget
+
+
+def resolve_batched_tokens(config, model_cfg) -> int:
+    """``config.max_num_batched_tokens`` when given; else 2,048, or on cpu ``batched_tokens``
+    at this process's torch threads (the core's: ``OMP_NUM_THREADS`` when served)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    if config.device != "cpu":
+        return DEFAULT_BATCHED_TOKENS
+    import torch
+
+    return batched_tokens(torch.get_num_threads(), layer_params(model_cfg))
+
+
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
     """The CPU limit of this process's cgroup in CPUs (``quota / period``), the tightest along
     its path; None when there is none (or no cgroup file can be read). cgroup v2 reads

@@ -26,6 +26,7 @@ from epdserve.engine.core.mm_scheduling import EncoderScheduler, checked_mm_feat
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.core.step_guard import StepGuard, maybe_fail
+from epdserve.engine.cpus import resolve_batched_tokens
 from epdserve.engine.executor.base import create_executor
 from epdserve.engine.executor.connector_halves import (
     encoder_connector_scheduler,
@@ -50,6 +51,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor_backend: str = "uni"):
         config = self.config = resolve_identity(config)  # digest and hash seed, once
         model_cfg = load_model_config(config.model)
+        budget = resolve_batched_tokens(config, model_cfg)  # on cpu: by model size
+        config = self.config = replace(config, max_num_batched_tokens=budget)
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         hybrid = not (config.disable_hybrid_kv_cache_manager or config.kv_transfer_config)
         self.kv_spec = make_kv_cache_spec(model_cfg.layer_windows(), hybrid)

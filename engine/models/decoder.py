@@ -183,12 +183,12 @@ class DecoderLM:
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor, lora: LoRABatch | None = None):
         gate_up = linear(x, layer.gate_up_w)
         inter = self.config.intermediate_size
-        if lora is None:
-            return linear(self.activation(gate_up[:, :inter]) * gate_up[:, inter:], layer.down_w)
-        lora.add(layer.index, ("gate_proj", "up_proj"), x, gate_up)
-        h = self.activation(gate_up[:, :inter]) * gate_up[:, inter:]
+        if lora is not None:
+            lora.add(layer.index, ("gate_proj", "up_proj"), x, gate_up)
+        h = self.activation(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # one new tensor
         down = linear(h, layer.down_w)
-        lora.add(layer.index, ("down_proj",), h, down)
+        if lora is not None:
+            lora.add(layer.index, ("down_proj",), h, down)
         return down
 
     @torch.inference_mode()

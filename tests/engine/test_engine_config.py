@@ -17,14 +17,15 @@ from epdserve.engine.config import EngineConfig, decode_config, encode_config
 from epdserve.engine.entrypoints import serve_cli
 
 # every flag `epdserve serve` had before its flags were made from the fields, with its default
-# (block_size: None, resolved by device: 128 on cpu, 16 on cuda; stream_interval is new)
+# (block_size: None, resolved by device: 128 on cpu, 16 on cuda; max_num_batched_tokens: None,
+# resolved by the core: 2048, on cpu by model size; stream_interval is new)
 SERVE_DEFAULTS = {
     "model": "m", "revision": None, "host": "127.0.0.1", "port": 8000,
     "served_model_name": None, "api_key": None, "processed_prompt_key": None, "role": "both",
     "dtype": "float32",
     "device": "auto", "gpu_memory_utilization": 0.9, "attention_backend": None,
     "max_model_len": None, "kv_cache_memory": None, "block_size": None, "max_num_seqs": 256,
-    "max_num_batched_tokens": 2048, "scheduling_policy": "fcfs", "stream_interval": 1,
+    "max_num_batched_tokens": None, "scheduling_policy": "fcfs", "stream_interval": 1,
     "enable_prefix_caching": True,
     "disable_hybrid_kv_cache_manager": False, "prefix_caching_hash_algo": "sha256_cbor",
     "hash_seed": None, "seed": 0, "kv_events_config": None, "kv_events_curve_dir": None,
