@@ -67,6 +67,14 @@ class HFReference:
             self.cache[key] = outs
         return self.cache[key]
 
+    def next_logits(self, path, prefixes, dtype=torch.float32) -> list[torch.Tensor]:
+        """transformers' logits for the token after each of ``prefixes`` (fp32 values)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with torch.inference_mode():
+            return [model(torch.tensor([p])).logits[0, -1].float() for p in prefixes]
+
 
 @pytest.fixture(scope="session")
 def hf_reference() -> HFReference:

@@ -44,21 +44,45 @@ def test_greedy_outputs_match_transformers_in_every_regime(models, hf_reference,
             assert_no_leak(llm)
 
 
+# A bf16 step may take either of two tokens whose exact (fp32) logits are this close, as a
+# fraction of the fp32 logits' spread: the bound every CPU meets whatever its bf16 kernels
+# (AMX or AVX512_BF16 products round differently from each other and from transformers').
+NEAR_TIE = 0.1
+
+
 @pytest.mark.skipif(not native.available(), reason="no C compiler: decode runs the torch twin")
 @pytest.mark.parametrize(("arch", "seed", "num_prompts", "prompt_seed"),
                          [("llama", 0, 20, 5), ("qwen3", 0, 40, 9)])  # fmt: skip
-def test_bf16_first_tokens_agree_on_at_least_95_percent_of_prompts(
+def test_bf16_outputs_leave_transformers_only_at_near_ties(
     models, hf_reference, arch, seed, num_prompts, prompt_seed
 ):
-    """measured 19/20 and 40/40 (129/160 over four sets with the torch decode path)"""
+    """Ours and transformers' bf16 greedy outputs agree up to a step where both tokens are
+    near-tied in fp32. Measured here (AVX512_BF16, no AMX): llama 19/20 prompts agree
+    throughout, qwen3 38/40; the forks' fp32 gaps were 0.003, 0.032 and 0.013 of the spread."""
     path = models.get(arch, seed=seed)
     prompts = make_prompts(num_prompts, seed=prompt_seed)
     expected = hf_reference.greedy(path, prompts, dtype=torch.bfloat16)
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=512)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    agree = sum(o.outputs[0].token_ids == e for o, e in zip(outs, expected, strict=True))
-    assert agree >= 0.95 * len(prompts), f"only {agree}/{len(prompts)} prompts agree"
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    forks = [
+        (p, ours, theirs, first_difference(ours, theirs))
+        for p, ours, theirs in zip(prompts, got, expected, strict=True)
+        if ours != theirs
+    ]
+    assert len(forks) <= num_prompts // 4, f"{len(forks)}/{num_prompts} prompts differ"
+    exact = hf_reference.next_logits(path, [p + ours[:at] for p, ours, _, at in forks])
+    for (_, ours, theirs, at), logits in zip(forks, exact, strict=True):
+        gap = (logits[ours[at]] - logits[theirs[at]]).abs().item()
+        spread = logits.std().item()
+        assert gap <= NEAR_TIE * spread, (
+            f"step {at}: tokens {ours[at]} vs {theirs[at]}, fp32 gap {gap:.4f} (spread {spread:.3f})"
+        )
     assert_no_leak(llm)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
 
 
 @pytest.mark.skipif(not native.available(), reason="no C compiler: prefill runs the torch twin")
