@@ -72,10 +72,11 @@ def paged_attention_ref(
     args = (key_cache, value_cache, block_table, scale, sliding_window, soft_cap)
     prefill = [i for i, n in enumerate(q_lens) if n > 1]
     if prefill and native_decode and native.prefill_supports(query, key_cache, value_cache):
-        # plain prompts stay on SDPA's causal kernel, bit for bit what transformers computes:
-        # the C kernel, 1.8-3x faster there, agrees with it in ~99.9% of bf16 outputs, and
-        # that moved greedy outputs of a tiny llama off transformers' (17/20 prompts, not 19)
-        plain = sliding_window is None and soft_cap is None
+        # fp32 plain prompts stay on SDPA's causal kernel, bit for bit what transformers
+        # computes; in bf16 the C kernel (1.8-3x faster there) takes them too: it agrees with
+        # SDPA in ~99.9% of bf16 outputs, and bf16 outputs only leave transformers' at
+        # near-ties whichever kernel runs (tests/engine/test_token_exact.py)
+        plain = sliding_window is None and soft_cap is None and query.dtype != torch.bfloat16
         prefill, spans = ([i for i in prefill if q_lens[i] == lens[i]] if plain else [],
                           [i for i in prefill if q_lens[i] < lens[i] or not plain])  # fmt: skip
         if spans:
