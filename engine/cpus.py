@@ -76,7 +76,16 @@ def resolve_batched_tokens(config, model_cfg) -> int:
         return DEFAULT_BATCHED_TOKENS
     import torch
 
-    return batched_tokens(torch.get_num_threads(), layer_params(model_cfg))
+    threads, params = torch.get_num_threads(), layer_params(model_cfg)
+    budget = batched_tokens(threads, params)
+    logging.getLogger("epdserve.core").info(
+        "max_num_batched_tokens=%d (the cpu default for %.0fM weights per token at %d "
+        "threads; --max-num-batched-tokens sets it)",
+        budget,
+        params / 1e6,
+        threads,
+    )
+    return budget
 
 
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
