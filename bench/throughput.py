@@ -88,7 +88,7 @@ def decode_roofline(model_dir: str, dtype: str, batch: int, ctx: int, iters: int
     from epdserve.engine import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=ctx + iters + 8, max_num_seqs=batch)
-    engine, model = llm.engine, llm.engine.model
+    engine, model = llm.engine, llm.engine.executor.worker.model
     prompts = [
         {"prompt_token_ids": [10 + (i * 31 + j) % 3000 for j in range(ctx)]} for i in range(batch)
     ]
@@ -171,7 +171,7 @@ def step_overhead(model_dir: str, dtype: str, batch: int, steps: int) -> dict:
     from epdserve.engine import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=512, max_num_seqs=batch)
-    model, core = llm.engine.model, llm.engine
+    model, core = llm.engine.executor.worker.model, llm.engine
     spent = {"model": 0.0, "step": 0.0}
 
     def wrap(fn, key):

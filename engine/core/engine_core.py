@@ -109,12 +109,6 @@ class EngineCore:
         self.worker_stats = WorkerStats()  # the workers' counters, as of the last step
         self.guard = StepGuard()
 
-    @property
-    def model(self):
-        """The in-process worker's model, for benches that time its forward
-        (bench/throughput.py); the core itself never uses it."""
-        return self.executor.worker.model
-
     def _num_blocks(self, model_cfg: ModelConfig) -> int:
         cfg = self.config
         itemsize = getattr(torch, cfg.dtype).itemsize
