@@ -11,12 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from epdserve.connectors.ec_connector import ECConnector, create_ec_connector
-from epdserve.connectors.kv_connector import (
-    KVConnectorBase,
-    KVConnectorRole,
-    KVLayout,
-    create_connector,
-)
 from epdserve.connectors.storage import fingerprint
 from epdserve.connectors.storage.codec import FORMAT_VERSION, KV_LAYOUT
 from epdserve.engine.config import EngineConfig
@@ -88,38 +82,6 @@ def model_fingerprint(
 def encoder_fingerprint(digest: str, dtype: str) -> str:
     """Identifies the vision encoder's outputs: same weights, same dtype, same format."""
     return fingerprint(digest, dtype, f"encoder-output-v{FORMAT_VERSION}")
-
-
-def create_kv_connectors(
-    config: EngineConfig, block_shape: tuple[int, ...]
-) -> tuple[KVConnectorBase, KVConnectorBase] | None:
-    """``(scheduler side, worker side)`` for ``config.kv_transfer_config``, or None; the
-    config is resolved (``resolve_identity``)."""
-    transfer = config.kv_transfer_config
-    if transfer is None:
-        return None
-    layout = KVLayout(
-        model_fingerprint(
-            config.model_digest,
-            config.dtype,
-            block_shape,
-            config.block_size,
-            config.prefix_caching_hash_algo,
-        ),
-        config.block_size,
-        config.prefix_caching_hash_algo,
-    )
-    log.info(
-        "KV connector %s (%s), pool %r, fingerprint %s",
-        transfer.kv_connector,
-        transfer.kv_role,
-        transfer.pool,
-        layout.fingerprint,
-    )
-    return (
-        create_connector(transfer, KVConnectorRole.SCHEDULER, layout),
-        create_connector(transfer, KVConnectorRole.WORKER, layout),
-    )
 
 
 def create_encoder_connector(config: EngineConfig) -> ECConnector | None:
