@@ -34,6 +34,7 @@ class Option:
     repeat: bool = False  # a list given one flag per item (`--endpoint A --endpoint B`)
     lower: bool = False  # case-insensitive: the value is lowered before the choices apply
     metavar: str | None = None
+    short: str | None = None  # a second spelling, as vLLM users type it (`-tp`)
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", **option) -> Any:
@@ -112,7 +113,8 @@ def add_fields(parser: argparse.ArgumentParser, cls, environ: Mapping[str, str] 
         if opt.positional:
             parser.add_argument(f.name, nargs="?", **kw)
         else:
-            parser.add_argument(flag_name(f.name), dest=f.name, **kw)
+            names = [flag_name(f.name)] + ([opt.short] if opt.short else [])
+            parser.add_argument(*names, dest=f.name, **kw)
 
 
 def from_args(cls, args: argparse.Namespace, **overrides):

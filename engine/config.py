@@ -22,7 +22,8 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: float32
 CPU_BLOCK_SIZE = 128  # fewer blocks per step to map, hash and walk: 1.26-1.35x served on cpu
 ROLES = ("both", "encoder", "prefill", "decode")
 BACKENDS = ("triton", "native", "torch")
-SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
+SCHEDULING_POLICIES = ("fcfs", "priority")
+EXECUTOR_BACKENDS = ("uni", "mp")  # vLLM's --scheduling-policy
 ROLE_NEEDS = {"prefill": ("is_producer", "kv_producer"), "decode": ("is_consumer", "kv_consumer")}
 
 
@@ -111,6 +112,15 @@ class EngineConfig:
         "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
         "(VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns this on)",
     )
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is sharded over (a worker process each; DESIGN.md §10)", short="-tp"
+    )
+    distributed_executor_backend: str | None = setting(
+        None,
+        "uni: one worker in the core's process; mp: a worker process per rank "
+        "(default: uni at --tensor-parallel-size 1, mp above)",
+        choices=EXECUTOR_BACKENDS,
+    )
     # the checkpoint's content digest, read once at start (kv_transfer/setup.resolve_identity)
     model_digest: str | None = None
 
@@ -154,6 +164,7 @@ class EngineConfig:
 
             check_backend(self.attention_backend, self.device)
         self._check_role()
+        self._check_parallel()
         from epdserve.engine.lora.settings import check_lora_settings
 
         check_lora_settings(self)
@@ -169,6 +180,20 @@ class EngineConfig:
         if isinstance(self.mm_processor_kwargs, str):
             kwargs = json_object(self.mm_processor_kwargs, "mm_processor_kwargs")
             object.__setattr__(self, "mm_processor_kwargs", kwargs)
+
+    def _check_parallel(self) -> None:
+        tp, backend = self.tensor_parallel_size, self.distributed_executor_backend
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size: must be at least 1, got {tp}")
+        if backend is None:
+            object.__setattr__(self, "distributed_executor_backend", "uni" if tp == 1 else "mp")
+        elif backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend: must be uni or mp, got {backend!r}")
+        elif backend == "uni" and tp > 1:
+            raise ValueError(
+                f"distributed_executor_backend: uni runs one rank; --tensor-parallel-size {tp} "
+                "needs mp"
+            )
 
     def _check_role(self) -> None:
         if self.role not in ROLES:

@@ -32,10 +32,12 @@ from epdserve.engine.executor.connector_halves import (
     encoder_connector_scheduler,
     kv_connector_half,
 )
+from epdserve.engine.executor.rank_messages import WorkerFailure
 from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
 from epdserve.engine.kv_transfer.setup import resolve_identity, store_rejections
 from epdserve.engine.lora import core_side as lora_core
 from epdserve.engine.models.config import ModelConfig, load_model_config
+from epdserve.engine.models.layers import Shard, shard_config
 from epdserve.engine.models.siglip import VisionConfig
 from epdserve.engine.structured.manager import StructuredOutputManager
 
@@ -48,7 +50,7 @@ class EngineCore:
     """Scheduler, KV cache manager and the connectors' scheduler halves around an executor:
     the core never touches the model, the KV tensors or a runner (DESIGN.md §10)."""
 
-    def __init__(self, config: EngineConfig, executor_backend: str = "uni"):
+    def __init__(self, config: EngineConfig, executor_backend: str | None = None):
         config = self.config = resolve_identity(config)  # digest and hash seed, once
         model_cfg = load_model_config(config.model)
         budget = resolve_batched_tokens(config, model_cfg)  # on cpu: by model size
@@ -112,7 +114,8 @@ class EngineCore:
     def _num_blocks(self, model_cfg: ModelConfig) -> int:
         cfg = self.config
         itemsize = getattr(torch, cfg.dtype).itemsize
-        per_block = self.kv_spec.slots * 2 * cfg.block_size * model_cfg.kv_size * itemsize
+        kv_size = shard_config(model_cfg, Shard(0, cfg.tensor_parallel_size)).kv_size  # a rank's
+        per_block = self.kv_spec.slots * 2 * cfg.block_size * kv_size * itemsize
         need = 1 + self.kv_spec.blocks_per_request(
             cfg.block_size, self.max_model_len, cfg.max_num_batched_tokens
         )
@@ -213,6 +216,8 @@ class EngineCore:
             cpu = time.process_time()
             result = self.executor.execute_model(sched)
             self.model_cpu_seconds += time.process_time() - cpu
+        except WorkerFailure:  # a rank is gone or out of step: the core cannot go on
+            raise
         except Exception as exc:  # one request's fault must not end every request
             self._take_worker_stats(getattr(exc, "worker_stats", None))
             return self.guard.contain(self.scheduler, sched, exc)

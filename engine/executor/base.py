@@ -18,6 +18,8 @@ from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.interfaces import KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from epdserve.engine.core.kv_cache_groups import KVCacheSpec
 from epdserve.engine.lora.slots import LoRASlotLoad
+from epdserve.engine.models.config import load_model_config
+from epdserve.engine.models.layers import check_tensor_parallel
 
 # the Worker methods an executor runs on every rank, in the order a core calls them
 RANK_METHODS = (
@@ -31,7 +33,10 @@ RANK_METHODS = (
 )
 
 # backend name -> "module:class" (imported when chosen)
-EXECUTOR_BACKENDS = {"uni": "epdserve.engine.executor.uni:UniProcExecutor"}
+EXECUTOR_BACKENDS = {
+    "uni": "epdserve.engine.executor.uni:UniProcExecutor",
+    "mp": "epdserve.engine.executor.mp:MultiprocExecutor",
+}
 
 
 class Executor(ABC):
@@ -78,9 +83,13 @@ def check_rank_method(method: str) -> None:
         raise ValueError(f"method: {method!r} is not one of the workers' {RANK_METHODS}")
 
 
-def create_executor(config: EngineConfig, backend: str = "uni") -> Executor:
-    """The executor of ``backend`` over ``config`` (resolved: identity, ``max_model_len``),
-    with the model loaded on every rank."""
+def create_executor(config: EngineConfig, backend: str | None = None) -> Executor:
+    """The executor of ``backend`` (default: the config's ``distributed_executor_backend``)
+    over ``config`` (resolved: identity, ``max_model_len``), with the model loaded on every
+    rank. A tensor-parallel size the model cannot be split by is refused before any rank
+    starts, naming the flag."""
+    backend = backend or config.distributed_executor_backend or "uni"
+    check_tensor_parallel(load_model_config(config.model), config.tensor_parallel_size)
     if backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {sorted(EXECUTOR_BACKENDS)}")
     module, name = EXECUTOR_BACKENDS[backend].split(":")

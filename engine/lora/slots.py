@@ -17,6 +17,7 @@ import torch
 
 from epdserve.engine.lora.peft_files import TARGET_MODULES, module_shapes
 from epdserve.engine.models.config import ModelConfig
+from epdserve.engine.models.layers import Shard, shard_config
 
 
 class LoRAModuleWeights(msgspec.Struct, array_like=True):
@@ -52,6 +53,26 @@ def _tensor(data: bytes, rows: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype=np.float32).reshape(rows, -1).copy())
 
 
+def lora_slices(cfg: ModelConfig, shard: Shard) -> dict[str, tuple[str, int, int]]:
+    """module -> (``"a"`` columns | ``"b"`` rows, start, end) of a rank's slice (none at TP 1)."""
+    if shard.size == 1:
+        return {}
+    d = cfg.head_dim
+    q0, q1 = shard.split(cfg.num_heads)
+    kv0, kvn = shard.kv_heads(cfg.num_kv_heads)
+    i0, i1 = shard.split(cfg.intermediate_size)
+    kv = ("b", kv0 * d, (kv0 + kvn) * d)
+    return {
+        "q_proj": ("b", q0 * d, q1 * d),
+        "k_proj": kv,
+        "v_proj": kv,
+        "o_proj": ("a", q0 * d, q1 * d),
+        "gate_proj": ("b", i0, i1),
+        "up_proj": ("b", i0, i1),
+        "down_proj": ("a", i0, i1),
+    }
+
+
 class LoRASlots:
     """A worker's adapter stacks on its device (the model runner hands them to the decoder
     through ``LoRABatch``)."""
@@ -63,8 +84,14 @@ class LoRASlots:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        shard: Shard | None = None,
     ):
-        shapes = module_shapes(cfg)
+        """``cfg``: the whole model's; under a tensor-parallel ``shard`` the stacks hold this
+        rank's slice of each adapter, as ``models.layers`` slices the base weights: B's rows
+        of the column-parallel modules, A's columns of the row-parallel ones (o, down)."""
+        shard = shard or Shard()
+        self.slices = lora_slices(cfg, shard)
+        shapes = module_shapes(shard_config(cfg, shard))
         self.max_rank = max_rank
         self.stacks = [
             {
@@ -91,8 +118,12 @@ class LoRASlots:
                 m = weights.get((layer, module))
                 if m is not None:
                     assert m.rank <= self.max_rank, f"LoRA rank {m.rank} > {self.max_rank}"
-                    a_stack[slot, : m.rank].copy_(_tensor(m.a, m.rank))
-                    b_stack[slot, :, : m.rank].copy_(_tensor(m.b, b_stack.shape[1]))
+                    a, b = _tensor(m.a, m.rank), _tensor(m.b, len(m.b) // (4 * m.rank))
+                    if module in self.slices:
+                        which, start, end = self.slices[module]
+                        a, b = (a[:, start:end], b) if which == "a" else (a, b[start:end])
+                    a_stack[slot, : m.rank].copy_(a)
+                    b_stack[slot, :, : m.rank].copy_(b)
         self.scaling[slot] = load.scaling
         self.num_slot_writes += 1
 

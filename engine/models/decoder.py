@@ -20,7 +20,9 @@ import torch.nn.functional as F
 
 from epdserve.engine.models.bidirectional import attend_spans
 from epdserve.engine.models.config import ModelConfig
+from epdserve.engine.models.layers import gathered_logits, vocab_embedding
 from epdserve.engine.models.rope import cos_sin_cache
+from epdserve.engine.worker.parallel import TPGroup
 from epdserve.kernels.backends import KernelBackend, get_backend
 from epdserve.kernels.linear import linear, pack
 
@@ -97,6 +99,8 @@ class DecoderLM:
             for i, (window, rope) in enumerate(zip(config.layer_windows(), ropes, strict=True))
         ]
         self.embed = self.final_norm = self.lm_head = None
+        self.tp = TPGroup()  # the loader sets a rank's group, and its vocab rows' start
+        self.vocab_start = 0
 
     # -- hooks: what a family changes --
 
@@ -105,7 +109,7 @@ class DecoderLM:
         return [self.rope_cache(self.config.rope, max_positions)] * self.config.num_layers
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed)
+        return vocab_embedding(input_ids, self.embed, self.vocab_start, self.tp)
 
     def activation(self, gate: torch.Tensor) -> torch.Tensor:
         """The gated MLP's activation (SwiGLU: SiLU)."""
@@ -178,7 +182,7 @@ class DecoderLM:
         o = linear(out, layer.o_w)
         if meta.lora is not None:
             meta.lora.add(layer.index, ("o_proj",), out, o)
-        return o
+        return self.tp.all_reduce(o)  # row-parallel: the ranks' partial sums
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor, lora: LoRABatch | None = None):
         gate_up = linear(x, layer.gate_up_w)
@@ -189,12 +193,17 @@ class DecoderLM:
         down = linear(h, layer.down_w)
         if lora is not None:
             lora.add(layer.index, ("down_proj",), h, down)
-        return down
+        return self.tp.all_reduce(down)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float logits ``[T, V]``; on a rank other than the output rank, None (every rank
+        must call it: the vocab slices are gathered)."""
         x = self.kernels.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        logits = linear(x, self.lm_head).float()
+        logits = gathered_logits(linear(x, self.lm_head), self.config.vocab_size, self.tp)
+        if logits is None:
+            return None
+        logits = logits.float()
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.decoder import DecoderLM
+from epdserve.engine.models.layers import ShardedWeights
 from epdserve.kernels.backends import KernelBackend
 
 
@@ -38,27 +39,28 @@ class Gemma3LM(DecoderLM):
         return [by_kind[kind] for kind in self.config.layer_types]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed) * self.embed_scale
+        return super().embed_tokens(input_ids) * self.embed_scale
 
     def activation(self, gate: torch.Tensor) -> torch.Tensor:
         return F.gelu(gate, approximate="tanh")
 
 
-def load_gemma3_weights(model: Gemma3LM, get, get_norm) -> None:
-    """``get(name)`` returns a tensor in the model dtype; ``get_norm`` returns fp32 ``1 + w``."""
-    model.embed = get("embed_tokens.weight")
+def load_gemma3_weights(model: Gemma3LM, w: ShardedWeights) -> None:
+    """This rank's slice of every weight (``w``: ``layers.ShardedWeights``); norms are fp32
+    ``1 + w``."""
+    model.embed = w.vocab("embed_tokens.weight")
     model.lm_head = model.embed
-    model.final_norm = get_norm("norm.weight")
+    model.final_norm = w.norm("norm.weight")
     for i, layer in enumerate(model.layers):
         p, a = f"layers.{i}.", f"layers.{i}.self_attn."
-        layer.qkv_w = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"])
-        layer.o_w = get(a + "o_proj.weight")
-        layer.q_norm, layer.k_norm = get_norm(a + "q_norm.weight"), get_norm(a + "k_norm.weight")
+        layer.qkv_w = w.qkv(a)
+        layer.o_w = w.row(a + "o_proj.weight", w.cfg.q_size)
+        layer.q_norm, layer.k_norm = w.norm(a + "q_norm.weight"), w.norm(a + "k_norm.weight")
         layer.gate_up_w = torch.cat(
-            [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+            [w.column(p + "mlp.gate_proj.weight"), w.column(p + "mlp.up_proj.weight")]
         )
-        layer.down_w = get(p + "mlp.down_proj.weight")
-        layer.in_norm = get_norm(p + "input_layernorm.weight")
-        layer.post_attn_norm = get_norm(p + "post_attention_layernorm.weight")
-        layer.mlp_norm = get_norm(p + "pre_feedforward_layernorm.weight")
-        layer.post_mlp_norm = get_norm(p + "post_feedforward_layernorm.weight")
+        layer.down_w = w.row(p + "mlp.down_proj.weight", w.cfg.intermediate_size)
+        layer.in_norm = w.norm(p + "input_layernorm.weight")
+        layer.post_attn_norm = w.norm(p + "post_attention_layernorm.weight")
+        layer.mlp_norm = w.norm(p + "pre_feedforward_layernorm.weight")
+        layer.post_mlp_norm = w.norm(p + "post_feedforward_layernorm.weight")

@@ -11,6 +11,13 @@ from safetensors import safe_open
 from epdserve.engine.models.config import ModelConfig, load_model_config
 from epdserve.engine.models.decoder import DecoderLM
 from epdserve.engine.models.gemma3 import Gemma3LM, load_gemma3_weights
+from epdserve.engine.models.layers import (
+    Shard,
+    ShardedWeights,
+    check_tensor_parallel,
+    shard_config,
+)
+from epdserve.engine.worker.parallel import TPGroup
 from epdserve.kernels.backends import get_backend
 
 
@@ -41,6 +48,12 @@ class CheckpointReader:
             raise ValueError(f"model: checkpoint is missing tensor {name!r}")
         return self.where[name].get_tensor(name)
 
+    def get_slice(self, name: str):
+        """A lazy view of ``name``: indexing it reads only those rows/columns."""
+        if name not in self.where:
+            raise ValueError(f"model: checkpoint is missing tensor {name!r}")
+        return self.where[name].get_slice(name)
+
 
 def load_model(
     model_dir: str | Path,
@@ -48,38 +61,37 @@ def load_model(
     device: torch.device,
     max_positions: int,
     attention_backend: str | None = None,
+    tp: TPGroup | None = None,
 ):
     """The decoder of ``model_dir`` on ``device``, its kernels from ``attention_backend``
-    (``triton`` | ``native`` | ``torch``; None: ``backends.default_backend(device)``)."""
+    (``triton`` | ``native`` | ``torch``; None: ``backends.default_backend(device)``); under
+    a tensor-parallel group ``tp``, this rank's slice of it (``layers``)."""
     config = load_model_config(model_dir)
+    tp = tp or TPGroup()
+    shard = Shard(tp.rank, tp.size)
+    check_tensor_parallel(config, tp.size)
     kernels = get_backend(attention_backend, device)
     reader = CheckpointReader(model_dir)
-    prefix = _prefix(reader)
-
-    def get(name: str) -> torch.Tensor:
-        return reader.get(prefix + name).to(device=device, dtype=dtype).contiguous()
-
+    w = ShardedWeights(reader, _prefix(reader), config, shard, dtype, device)
+    cls = Gemma3LM if config.family == "gemma3" else DecoderLM
+    model = cls(shard_config(config, shard), dtype, device, max_positions, kernels)
+    model.tp, model.vocab_start = tp, shard.vocab(config.vocab_size)[0]
     if config.family == "gemma3":
-        model = Gemma3LM(config, dtype, device, max_positions, kernels)
-
-        def get_norm(name: str) -> torch.Tensor:  # Gemma scales by (1 + w), kept in fp32
-            return (1.0 + reader.get(prefix + name).float()).to(device).contiguous()
-
-        load_gemma3_weights(model, get, get_norm)
+        load_gemma3_weights(model, w)
         model.pack_weights()
         return model
-    model = DecoderLM(config, dtype, device, max_positions, kernels)
-
-    model.embed = get("embed_tokens.weight")
-    model.final_norm = get("norm.weight")
+    model.embed = w.vocab("embed_tokens.weight")
+    model.final_norm = w.full("norm.weight")
     if reader.has("lm_head.weight") and not config.tie_word_embeddings:
-        model.lm_head = reader.get("lm_head.weight").to(device=device, dtype=dtype).contiguous()
+        model.lm_head = ShardedWeights(reader, "", config, shard, dtype, device).vocab(
+            "lm_head.weight"
+        )
     elif config.tie_word_embeddings:
         model.lm_head = model.embed
     else:
         raise ValueError("model: checkpoint is missing tensor 'lm_head.weight'")
     for i, layer in enumerate(model.layers):
-        _load_layer(layer, f"layers.{i}.", get, config)
+        _load_layer(layer, f"layers.{i}.", w, config)
     model.pack_weights()
     return model
 
@@ -91,19 +103,22 @@ def _prefix(reader: CheckpointReader) -> str:
     raise ValueError("model: checkpoint is missing tensor 'model.embed_tokens.weight'")
 
 
-def _load_layer(layer, p: str, get, config: ModelConfig) -> None:
+def _load_layer(layer, p: str, w: ShardedWeights, config: ModelConfig) -> None:
+    """One layer's weights, this rank's slices (``config``: the whole model's)."""
     attn = p + "self_attn."
-    layer.qkv_w = torch.cat([get(attn + f"{x}_proj.weight") for x in "qkv"])
+    layer.qkv_w = w.qkv(attn, "weight")
     if config.qkv_bias:
-        layer.qkv_b = torch.cat([get(attn + f"{x}_proj.bias") for x in "qkv"])
-    layer.o_w = get(attn + "o_proj.weight")
+        layer.qkv_b = w.qkv(attn, "bias")
+    layer.o_w = w.row(attn + "o_proj.weight", config.q_size)
     if config.qk_norm:
-        layer.q_norm = get(attn + "q_norm.weight")
-        layer.k_norm = get(attn + "k_norm.weight")
-    layer.gate_up_w = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-    layer.down_w = get(p + "mlp.down_proj.weight")
-    layer.in_norm = get(p + "input_layernorm.weight")
-    layer.mlp_norm = get(p + "post_attention_layernorm.weight")  # the norm before the MLP
+        layer.q_norm = w.full(attn + "q_norm.weight")
+        layer.k_norm = w.full(attn + "k_norm.weight")
+    layer.gate_up_w = torch.cat(
+        [w.column(p + "mlp.gate_proj.weight"), w.column(p + "mlp.up_proj.weight")]
+    )
+    layer.down_w = w.row(p + "mlp.down_proj.weight", config.intermediate_size)
+    layer.in_norm = w.full(p + "input_layernorm.weight")
+    layer.mlp_norm = w.full(p + "post_attention_layernorm.weight")  # the norm before the MLP
 
 
 def load_vision_encoder(model_dir: str | Path, dtype: torch.dtype, device: torch.device):

@@ -70,7 +70,8 @@ class EncoderOutputs:
 def place_image_embeddings(
     embeds: torch.Tensor, order, starts, counts, qsl, features_of, outputs: EncoderOutputs
 ):
-    """Write encoder outputs into ``embeds`` rows; returns the bidirectional spans."""
+    """Write encoder outputs into ``embeds`` rows; returns the bidirectional spans (``outputs``
+    None: the spans only, on a tensor-parallel rank that takes the output rank's embeddings)."""
     spans = []
     for i, req_id in enumerate(order):
         feats = features_of(req_id)
@@ -81,11 +82,13 @@ def place_image_embeddings(
             a, b = max(f.offset, start), min(f.end, start + n)
             if a >= b:
                 continue
+            spans.append((i, f.offset, f.end))
+            if outputs is None:
+                continue
             out = outputs.outputs.get(f.identifier)
             if out is None:  # not scheduled for encoding (should not happen): encode, don't die
                 outputs.encode([f])
                 out = outputs.outputs[f.identifier]
             row = int(qsl[i]) + a - start
             embeds[row : row + (b - a)] = out[a - f.offset : b - f.offset].to(embeds.dtype)
-            spans.append((i, f.offset, f.end))
     return tuple(spans)

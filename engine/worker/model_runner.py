@@ -126,7 +126,10 @@ class ModelRunner:
         logprobs = {}
         if inputs.sample_req_ids:
             logits = self.model.compute_logits(hidden[dev.logits_indices])
-            sampled, logprobs = self._sample(logits, inputs.sample_req_ids, sched)
+            if logits is None:  # a rank that does not sample takes the output rank's tokens
+                self._follow(inputs.sample_req_ids)
+            else:
+                sampled, logprobs = self._sample(logits, inputs.sample_req_ids, sched)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
         return ModelRunnerOutput(
             inputs.order, [sampled.get(r, []) for r in inputs.order], logprobs, prompt_logprobs
@@ -135,10 +138,42 @@ class ModelRunner:
     def _multimodal_embeds(
         self, sched: SchedulerOutput, inputs, input_ids: torch.Tensor, metas
     ) -> torch.Tensor | None:
-        """Encode this step's images; token embeddings with image features in place."""
-        outputs = self.encoder_outputs
-        if outputs is None:
+        """Encode this step's images; token embeddings with image features in place. Under
+        tensor parallelism the output rank alone encodes (and loads, and stores) images, and
+        the other ranks take its embeddings."""
+        outputs, tp = self.encoder_outputs, self.model.tp
+        if outputs is None and not (tp.size > 1 and self.model.config.multimodal):
             return None
+        images = tp.size > 1 and bool(sched.scheduled_encoder_inputs or sched.encoder_loads)
+        if outputs is not None:
+            try:
+                self._encode(sched, outputs)
+            except Exception:
+                if images:
+                    _step_status(tp, failed=True)
+                raise
+        if images:
+            _step_status(tp)  # the output rank's word on its images
+        if not any(r in self.mm_features for r in inputs.order):
+            return None
+        embeds = self.model.embed_tokens(input_ids)
+        counts = inputs.query_start_loc[1:] - inputs.query_start_loc[:-1]
+        starts = inputs.seq_lens - counts
+        spans = place_image_embeddings(
+            embeds,
+            inputs.order,
+            starts,
+            counts,
+            inputs.query_start_loc,
+            lambda r: self.mm_features.get(r),
+            outputs,  # None: the spans only
+        )
+        tp.broadcast(embeds)
+        for meta in metas:
+            meta.bidirectional_spans = spans
+        return embeds
+
+    def _encode(self, sched: SchedulerOutput, outputs) -> None:
         outputs.free(sched.free_encoder_ids)
         scheduled = [
             self.mm_features[r][i]
@@ -162,23 +197,6 @@ class ModelRunner:
                 if any(self.mm_features[r][i].identifier in gone for i in idxs)
             ]
             raise
-        if not any(r in self.mm_features for r in inputs.order):
-            return None
-        embeds = self.model.embed_tokens(input_ids)
-        counts = inputs.query_start_loc[1:] - inputs.query_start_loc[:-1]
-        starts = inputs.seq_lens - counts
-        spans = place_image_embeddings(
-            embeds,
-            inputs.order,
-            starts,
-            counts,
-            inputs.query_start_loc,
-            lambda r: self.mm_features.get(r),
-            outputs,
-        )
-        for meta in metas:
-            meta.bidirectional_spans = spans
-        return embeds
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str], sched: SchedulerOutput):
         states = [self.batch.states[r] for r in req_ids]
@@ -204,6 +222,8 @@ class ModelRunner:
             tokens = argmax_rows(logits)  # no per-row sampling state to build
         else:
             tokens = sample(logits, [self._sampling_row(s) for s in states], all_greedy)
+        if self.model.tp.size > 1:
+            tokens = self.model.tp.broadcast(tokens.to(torch.int64).contiguous())
         batch_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         token_np = tokens.cpu().numpy()  # the step's one host sync on a device
         self.batch.append_token(batch_rows, token_np)
@@ -217,6 +237,13 @@ class ModelRunner:
                         raw_logprobs[i : i + 1], tokens[i : i + 1], k
                     )
         return sampled, logprobs
+
+    def _follow(self, req_ids: list[str]) -> None:
+        """Append the tokens the output rank sampled (tensor parallelism, other ranks)."""
+        tokens = torch.empty(len(req_ids), dtype=torch.int64, device=self.model.device)
+        token_np = self.model.tp.broadcast(tokens).cpu().numpy()
+        rows = [self.batch.states[r].row for r in req_ids]
+        self.batch.append_token(np.asarray(rows, dtype=np.int64), token_np)
 
     def _sampling_row(self, state) -> SamplingRow:
         row = SamplingRow(state.params, state.generator)
@@ -242,8 +269,18 @@ class ModelRunner:
                 continue
             n = last_pos - first_pos + 1
             logits = self.model.compute_logits(hidden[start : start + n])
+            if logits is None:  # not the output rank: it joined the gather, that is all
+                continue
             targets = torch.from_numpy(
                 self.batch.token_ids[state.row, first_pos + 1 : last_pos + 2].copy()
             ).to(hidden.device)
             out[req_id] = compute_logprobs(torch.log_softmax(logits, -1), targets, k)
         return out
+
+
+def _step_status(tp, failed: bool = False) -> None:
+    """The output rank tells the others whether this step's images are ready (a refused
+    step raises on every rank at the same point, so the group stays in step)."""
+    flag = tp.broadcast(torch.tensor([int(failed)], dtype=torch.int64))
+    if flag.item() and not tp.is_output:
+        raise MissingPixelsError([], [])

@@ -28,8 +28,10 @@ from epdserve.engine.kv_transfer.setup import store_rejections
 from epdserve.engine.lora.slots import LoRASlotLoad, LoRASlots
 from epdserve.engine.malloc import tune_heap
 from epdserve.engine.models.config import load_model_config
+from epdserve.engine.models.layers import Shard
 from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.worker.model_runner import ModelRunner
+from epdserve.engine.worker.parallel import TPGroup, init_tp_group, step_timeout_s
 from epdserve.engine.worker.profiling import gpu_kv_budget
 
 log = logging.getLogger("epdserve.worker")
@@ -44,10 +46,12 @@ class Worker:
     ``load_model``, ``determine_available_memory``, ``initialize_kv_cache``, then per step
     ``add_lora``/``remove_lora`` and ``execute_model``, and ``shutdown`` last."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None):
+        """``init_method``: where the ranks of a tensor-parallel group meet (``tcp://...``)."""
         assert config.max_model_len is not None, "the core resolves max_model_len first"
-        self.config, self.rank = config, rank
-        self.device = torch.device(config.device)
+        self.config, self.rank, self.init_method = config, rank, init_method
+        self.device = rank_device(config.device, rank, config.tensor_parallel_size)
+        self.tp = TPGroup()
         self.dtype = getattr(torch, config.dtype)
         self.model_cfg = load_model_config(config.model)
         self.model = self.vision_encoder = self.runner = None
@@ -61,14 +65,23 @@ class Worker:
         cfg, model_cfg = self.config, self.model_cfg
         torch.manual_seed(cfg.seed)
         tune_heap()  # activations stay in the heap between steps (engine/malloc.py)
+        size = cfg.tensor_parallel_size
+        if size > 1:
+            self.tp = init_tp_group(
+                self.rank, size, self.init_method, self.device, step_timeout_s()
+            )
         max_len = max(cfg.max_model_len, model_cfg.max_position_embeddings)
-        self.model = load_model(cfg.model, self.dtype, self.device, max_len, cfg.attention_backend)
-        self.vision_encoder = load_vision_encoder(cfg.model, self.dtype, self.device)
+        self.model = load_model(
+            cfg.model, self.dtype, self.device, max_len, cfg.attention_backend, self.tp
+        )
+        if self.tp.is_output:  # images are encoded, loaded and stored by the output rank
+            self.vision_encoder = load_vision_encoder(cfg.model, self.dtype, self.device)
+            self.ec_connector = encoder_connector_worker(cfg)
         self.kv_connector = kv_connector_half(cfg, model_cfg, KVConnectorRole.WORKER)
-        self.ec_connector = encoder_connector_worker(cfg)
         if cfg.enable_lora:
+            shard = Shard(self.rank, size)
             self.lora = LoRASlots(
-                model_cfg, cfg.max_loras, cfg.max_lora_rank, self.model.dtype, self.model.device
+                model_cfg, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device, shard
             )
 
     def determine_available_memory(self, spec: KVCacheSpec) -> int:
@@ -143,3 +156,14 @@ class Worker:
         for connector in (self.kv_connector, self.ec_connector):
             if connector is not None:
                 connector.close()
+        self.tp.close()
+
+
+def rank_device(device: str, rank: int, size: int) -> torch.device:
+    """Rank ``rank``'s device: the host for every CPU rank, GPU ``rank`` of ``cuda`` (a rank
+    process sees the pod's GPUs)."""
+    if size == 1 or not device.startswith("cuda"):
+        return torch.device(device)
+    base = int(device.partition(":")[2] or 0)
+    torch.cuda.set_device(base + rank)
+    return torch.device(f"cuda:{base + rank}")

@@ -39,6 +39,7 @@ SERVE_DEFAULTS = {
     "enable_lora": False, "lora_modules": [], "max_loras": 1, "max_lora_rank": 16,
     "max_cpu_loras": None, "allow_runtime_lora_updating": False,
     "enable_auto_tool_choice": False, "tool_call_parser": None,
+    "tensor_parallel_size": 1, "distributed_executor_backend": None,
 }  # fmt: skip
 REDIS = {"kv_connector": "RedisConnector", "kv_connector_extra_config": {"url": "redis://h/0"}}
 EC = {"ec_connector": "SharedStorageECConnector", "ec_connector_extra_config": {"path": "/x"}}
@@ -58,7 +59,7 @@ def test_the_serve_flags_keep_their_names_and_defaults(monkeypatch):
     serve_cli.add_arguments(parser)
     flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
     named = {"--" + n.replace("_", "-") for n in SERVE_DEFAULTS if n != "model"}
-    assert flags == named | {"--no-enable-prefix-caching"}
+    assert flags == named | {"--no-enable-prefix-caching", "-tp"}  # vLLM's short spelling
 
 
 def test_each_setting_reads_its_variable_typed(monkeypatch):
