@@ -19,7 +19,9 @@ isolated as above. Every running request is recomputed, the core lives.
 Fault injection for tests: ``EPDSERVE_INJECT_FAULT=<stage>:<marker>`` makes stage
 ``schedule`` (the scheduler looking at one request), ``execute`` (the model runner) or
 ``update`` (the per-request update after it) raise for any batch holding a request whose
-id or label (the client's ``X-Request-Id``) contains ``marker``. Unset in production.
+id or label (the client's ``X-Request-Id``) contains ``marker``; in a worker, ``ranks``
+(every rank, before its step) or ``rank<N>`` (rank N alone), by request id. Unset in
+production.
 """
 
 from __future__ import annotations

@@ -164,7 +164,12 @@ class MultiprocExecutor(Executor):
             now = time.monotonic()
             if now > deadline:
                 late = sorted(set(range(self.size)) - set(got))
-                raise WorkerFailure(f"{method}: rank {late[0]} did not reply in time (hung)")
+                raised = [f"rank {r} raised {e.error.kind}" for r, e in got.items() if e.error]
+                why = f" after {', '.join(raised)}" if raised else ""
+                raise WorkerFailure(
+                    f"{method}: rank(s) {late} did not reply in time{why}: hung, or waiting "
+                    "in a collective for a peer that is"
+                )
             for rank in range(self.size):
                 if rank in got:
                     continue

@@ -23,6 +23,7 @@ from epdserve.engine.core.interfaces import (
     WorkerStats,
 )
 from epdserve.engine.core.kv_cache_groups import KVCacheSpec
+from epdserve.engine.core.step_guard import maybe_fail
 from epdserve.engine.executor.connector_halves import encoder_connector_worker, kv_connector_half
 from epdserve.engine.kv_transfer.setup import store_rejections
 from epdserve.engine.lora.slots import LoRASlotLoad, LoRASlots
@@ -114,6 +115,8 @@ class Worker:
         that raises carries them on the exception (``worker_stats``): what it encoded or
         loaded before the fault is counted too."""
         try:
+            for stage in ("ranks", f"rank{self.rank}"):  # tests: EPDSERVE_INJECT_FAULT
+                maybe_fail(stage, sched.num_scheduled_tokens)
             out = self.runner.execute_model(sched)
         except Exception as exc:
             exc.worker_stats = self._changed_stats()
