@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from epdserve.operator import kvevents, lora, meta, prompt_key, source, tenancy
+from epdserve.operator import kvevents, lora, meta, parallel, prompt_key, source, tenancy
 from epdserve.operator.gpu import device_env
 from epdserve.operator.spec import SERVE_ROLE, PoolSpec
 from epdserve.operator.transfer import ec_transfer_config, kv_events_config, kv_transfer_config
@@ -96,31 +96,7 @@ def engine_env(pool: PoolSpec, role: str) -> list[dict]:
     env += lora.list_env(pool.lora, config_map, role)
     env += [{"name": f"EPDSERVE_{k}", "value": str(v)} for k, v in sorted(pool.tuning.items())]
     user = [dict(e) for e in pool.roles[role].env]
-    cpus = pod_cpus(pool.roles[role].resources)
-    if cpus and not any(e.get("name") == CPUS_ENV for e in user):
-        env.append({"name": CPUS_ENV, "value": str(cpus)})
-    return env + user
-
-
-def pod_cpus(resources: dict) -> int | None:
-    """The CPUs an engine pod has: its CPU limit, else its request, rounded down (at least
-    1), for ``EPDSERVE_CPUS``; the engine then gives its core all of them or all but one,
-    by the model's size (engine/cpus.py). None when neither is set (the engine then counts
-    its affinity within its cgroup's limit)."""
-    amount = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get(
-        "cpu"
-    )
-    if amount is None:
-        return None
-    text = str(amount)
-    try:
-        cpus = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
-    except ValueError:
-        return None
-    return max(1, math.floor(cpus))
-
-
-CPUS_ENV = "EPDSERVE_CPUS"  # read by epdserve.engine.cpus (the operator imports no engine)
+    return env + parallel.engine_env(pool, role, user) + user
 
 
 def engine_command(pool: PoolSpec, role: str) -> list[str]:
@@ -191,16 +167,9 @@ def model_volumes(pool: PoolSpec) -> tuple[list[dict], list[dict]]:
 
 
 def _volumes(pool: PoolSpec, role: str) -> tuple[list[dict], list[dict]]:
-    volumes = [
-        {"name": "tmp", "emptyDir": {}},
-        source.cache_volume(pool.model_hf),
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-    ]
-    mounts = [
-        {"name": "tmp", "mountPath": "/tmp"},
-        source.cache_mount(),
-        {"name": "dshm", "mountPath": "/dev/shm"},
-    ]
+    shm_volume, shm_mount = parallel.shm_volume(pool, role)
+    volumes = [{"name": "tmp", "emptyDir": {}}, source.cache_volume(pool.model_hf), shm_volume]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, source.cache_mount(), shm_mount]
     model_vols, model_mounts = model_volumes(pool)
     volumes += model_vols
     mounts += model_mounts

@@ -4,8 +4,8 @@ The CRD schema checks types, enums and minimums; :func:`parse_pool` checks what 
 cannot say (which roles go together, which cache a role set needs) and raises
 :class:`InvalidSpec` naming the field, before anything is built or applied. Sections with
 rules of their own parse in their own modules: `spec.cache` (``cache_spec``),
-`spec.autoscaling` (``autoscaling``), the GPU fields (``gpu``), the Hub source (``source``),
-`spec.lora` (``lora``).
+`spec.autoscaling` (``autoscaling``), the GPU fields (``gpu``), a role's ranks (``parallel``),
+the Hub source (``source``), `spec.lora` (``lora``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ from epdserve.operator.cache_spec import CacheSpec, parse_cache, validate_cache
 from epdserve.operator.errors import InvalidSpec
 from epdserve.operator.gpu import role_gpus, validate_device, with_gpus
 from epdserve.operator.lora import LoraSpec, parse_lora
+from epdserve.operator.parallel import (
+    RoleParallel,
+    parse_parallel,
+    validate_parallel,
+    with_rank_cpus,
+)
 from epdserve.operator.source import HubSource, parse_hub_source
 from epdserve.operator.spec_fields import resources, secret_ref
 from epdserve.operator.tenancy import TenancySpec, parse_tenancy
@@ -50,6 +56,7 @@ class RoleSpec:
     tolerations: tuple[dict, ...] = ()
     gpus: int = 0  # nvidia.com/gpu per pod (from `gpus` or the resources)
     autoscaling: RoleAutoscaling | None = None  # None: a fixed `replicas`
+    parallel: RoleParallel = field(default_factory=RoleParallel)  # tensor-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -112,10 +119,12 @@ class PoolSpec:
 def _role(raw: dict, where: str) -> RoleSpec:
     requested = resources(raw.get("resources"))
     gpus = role_gpus(raw, requested, where)
+    parallel = parse_parallel(raw, requested, where)
     return RoleSpec(
         replicas=int(raw.get("replicas", 1)),
-        resources=with_gpus(requested, gpus),
+        resources=with_rank_cpus(with_gpus(requested, gpus), parallel),
         gpus=gpus,
+        parallel=parallel,
         args=tuple(raw.get("args") or ()),
         env=tuple(raw.get("env") or ()),
         node_selector=dict(raw.get("nodeSelector") or {}),
@@ -224,5 +233,6 @@ def validate(pool: PoolSpec) -> None:
         raise InvalidSpec(f"spec.roles: a disaggregated pool needs {' and '.join(missing)} too")
     validate_cache(pool.cache, pool.disaggregated)
     validate_device(pool)
+    validate_parallel(pool)
     if pool.router.strategy not in STRATEGIES:
         raise InvalidSpec(f"spec.router.strategy: unknown strategy {pool.router.strategy!r}")

@@ -9,7 +9,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from ipool_samples import EXAMPLES, ROOT, example, pool_body
+from ipool_samples import EXAMPLES, ROOT, example, example_docs, pool_body
 
 from epdserve.operator.cache import build_redis_secret
 from epdserve.operator.desired import desired_objects
@@ -73,6 +73,10 @@ VARIANTS = {
     "epd-multimodal": lambda: example("epd-multimodal"),
     "external-redis": external_redis_pool,
     "gpu-pool": lambda: example("gpu-pool"),
+    "gpu-pool-tp": lambda: example("gpu-pool/qwen-gpu-tp"),
+    "cpu-tp": lambda: pool_body(
+        "cputp", roles={"colocated": {"tensorParallelSize": 2, "cpusPerRank": 2}}
+    ),
     "hub-host-path": lambda: pool_body(
         "hub",
         model={"name": "m", "source": {"huggingFace": {"id": "a/b", "cache": {"hostPath": "/h"}}}},
@@ -133,7 +137,8 @@ def test_every_spec_field_is_described():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_validate_against_the_crd_schema(path):
-    jsonschema.Draft7Validator(SCHEMA).validate(yaml.safe_load(path.read_text()))
+    for doc in example_docs(path):
+        jsonschema.Draft7Validator(SCHEMA).validate(doc)
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,10 @@ typed configs, with the values the pool asked for."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
-from ipool_samples import EXAMPLES, example
+from ipool_samples import EXAMPLE_POOLS, example
 
 from epdserve.common.cli_fields import from_args
 from epdserve.operator import engine, router
@@ -41,7 +42,7 @@ def parse(module, argv: list[str], env: dict, monkeypatch) -> argparse.Namespace
     return parser.parse_args(argv)
 
 
-@pytest.mark.parametrize("name", [p.stem for p in EXAMPLES])
+@pytest.mark.parametrize("name", EXAMPLE_POOLS)
 def test_every_engine_pod_of_the_examples_parses_into_an_engine_config(name, monkeypatch):
     from epdserve.engine.config import EngineConfig
     from epdserve.engine.entrypoints import serve_cli
@@ -70,7 +71,24 @@ def test_every_engine_pod_of_the_examples_parses_into_an_engine_config(name, mon
         assert config.enable_kv_events == (pool.kv_events and role != "encoder")
 
 
-@pytest.mark.parametrize("name", [p.stem for p in EXAMPLES])
+@pytest.mark.parametrize("name", EXAMPLE_POOLS)
+def test_every_engine_pod_of_the_examples_runs_the_ranks_its_role_asks_for(name, monkeypatch):
+    from epdserve.engine.config import EngineConfig
+    from epdserve.engine.entrypoints import serve_cli
+
+    if "tensor_parallel_size" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        pytest.skip("the engine has no --tensor-parallel-size yet")
+    pool = parse_pool(example(name))
+    for role in pool.roles:
+        with monkeypatch.context() as m:
+            deployment = engine.build_engine_deployment(pool, role)
+            command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+            args = parse(serve_cli, command[2:], pod_env(pool, deployment), m)
+            config = from_args(EngineConfig, args, device="cpu")
+        assert config.tensor_parallel_size == pool.roles[role].parallel.tensor_parallel_size
+
+
+@pytest.mark.parametrize("name", EXAMPLE_POOLS)
 def test_the_router_pod_of_the_examples_parses_into_a_router_config(name, monkeypatch):
     from epdserve.router import cli
     from epdserve.router.config import RouterConfig
