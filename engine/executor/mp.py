@@ -142,10 +142,15 @@ class MultiprocExecutor(Executor):
             self.calls.write(_encode.encode(call), timeout=timeout or step_timeout_s())
         except (TimeoutError, ConnectionError) as exc:
             raise WorkerFailure(f"{method}: the ranks stopped reading calls ({exc})") from None
-        replies = self._gather(method, deadline)
+        try:
+            replies = self._gather(method, deadline)
+        except WorkerFailure:
+            self.ranks.failed = True
+            raise
         errors = [(r.rank, r.error) for r in replies if r.error is not None]
         if errors:
             if len({r.collectives for r in replies}) > 1:
+                self.ranks.failed = True
                 raise WorkerFailure(
                     f"{method}: rank {errors[0][0]} raised {errors[0][1].kind}: "
                     f"{errors[0][1].message}; the ranks left the step out of step"
@@ -177,10 +182,11 @@ class MultiprocExecutor(Executor):
                 wait = max(0.0, slice_s if slice_s is not None else deadline - now)
                 try:
                     got[rank] = _decode_reply.decode(self.replies[rank].read(timeout=wait))
-                except TimeoutError:
-                    continue
-                except ConnectionError:
+                except (TimeoutError, ConnectionError):
+                    # a slice may end before the ring's own check: look at the process too
                     code = self.procs[rank].poll()
+                    if code is None:
+                        continue
                     raise WorkerFailure(f"{method}: rank {rank} exited (status {code})") from None
                 if got[rank].error is not None:
                     deadline = min(deadline, time.monotonic() + GRACE_S)
@@ -200,19 +206,22 @@ class _Ranks:
 
     def __init__(self, calls: ShmRing):
         self.calls: ShmRing | None = calls
+        self.failed = False  # a rank died, hung or fell out of step
         self.procs: list[subprocess.Popen] = []
         self.replies: list[ShmRing] = []
 
     def stop(self) -> None:
         if self.calls is None:
             return
-        if self.replies and all(p.poll() is None for p in self.procs):
-            bye = RankCall("shutdown", msgspec.Raw(_encode.encode(())))
+        grace = 0.0  # a group with a dead or failed rank is killed at once: its peers may
+        if not self.failed and self.replies and all(p.poll() is None for p in self.procs):
+            bye = RankCall("shutdown", msgspec.Raw(_encode.encode(())))  # wait in a collective
             try:  # each rank closes its stores and its ring, then exits
                 self.calls.write(_encode.encode(bye), timeout=GRACE_S)
+                grace = GRACE_S
             except (TimeoutError, ConnectionError) as exc:
                 log.warning("workers did not take the shutdown: %s", exc)
-        deadline = time.monotonic() + GRACE_S
+        deadline = time.monotonic() + grace
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
