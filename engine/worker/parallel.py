@@ -1,5 +1,6 @@
 """A worker's tensor-parallel group (DESIGN.md §10): its rank, the group's size and the
-collectives the model and the runner use. Size 1 makes every collective a no-op, so one
+collectives the model and the runner use (CPU ranks: through shared memory,
+``shm_collectives``; ``EPDSERVE_SHM_COLLECTIVES=0`` keeps gloo). Size 1 makes every collective a no-op, so one
 model code path serves TP 1 and TP N.
 
 ``torch.distributed`` carries them: gloo on CPU, NCCL on CUDA. Every collective is bounded
@@ -17,6 +18,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from epdserve.engine.worker.shm_collectives import ShmCollectives
+
+# a slot per rank per buffer: all-reduces go in chunks of it, gathers larger than it via gloo
+SHM_SLOT_BYTES = 4 << 20
+
 
 def step_timeout_s() -> float:
     """How long a step, and a collective in it, may take before its rank counts as hung
@@ -27,9 +33,10 @@ def step_timeout_s() -> float:
 class TPGroup:
     """Rank ``rank`` of ``size``; output rank 0 holds the gathered logits and samples."""
 
-    def __init__(self, rank: int = 0, size: int = 1):
+    def __init__(self, rank: int = 0, size: int = 1, shm: ShmCollectives | None = None):
         self.rank, self.size = rank, size
         self.num_collectives = 0
+        self.shm = shm  # CPU ranks: collectives through shared memory, not gloo's sockets
 
     @property
     def is_output(self) -> bool:
@@ -39,6 +46,8 @@ class TPGroup:
         """Sum ``t`` over the ranks, in place."""
         if self.size > 1:
             self.num_collectives += 1
+            if self.shm is not None:
+                return self.shm.all_reduce(t)
             dist.all_reduce(t)
         return t
 
@@ -48,6 +57,8 @@ class TPGroup:
             return t
         self.num_collectives += 1
         t = t.contiguous()
+        if self.shm is not None and self.shm.fits(t):
+            return self.shm.gather_last(t)
         parts = [torch.empty_like(t) for _ in range(self.size)] if self.is_output else None
         dist.gather(t, parts, dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
@@ -56,10 +67,14 @@ class TPGroup:
         """Rank 0's ``t`` on every rank (in place)."""
         if self.size > 1:
             self.num_collectives += 1
+            if self.shm is not None:
+                return self.shm.broadcast(t)
             dist.broadcast(t, src=0)
         return t
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -80,4 +95,17 @@ def init_tp_group(
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
-    return TPGroup(rank, size)
+    shm = None
+    if device.type == "cpu" and os.environ.get("EPDSERVE_SHM_COLLECTIVES", "1") != "0":
+        port = init_method.rsplit(":", 1)[-1]
+        name = f"epdserve-tp-{os.getppid()}-{port}"  # the ranks share their parent, the core
+        shm = ShmCollectives(rank, size, name, SHM_SLOT_BYTES, timeout_s)
+        if rank == 0:
+            shm.create()
+        dist.barrier()
+        if rank:
+            shm.attach()
+        dist.barrier()
+        if rank == 0:
+            shm.unlink()  # mapped by every rank: the name is no longer needed
+    return TPGroup(rank, size, shm)
