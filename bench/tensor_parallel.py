@@ -135,17 +135,29 @@ def allreduce_rank(rank: int, init: str, hidden: int, rows: list[int], n: int) -
     os.sched_setaffinity(0, [rank % os.cpu_count()])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    out = {}
-    for r in rows:
-        t_ = torch.randn(r, hidden).to(torch.bfloat16)
-        for _ in range(20):
-            dist.all_reduce(t_)
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            dist.all_reduce(t_)
-            times.append(time.perf_counter() - t)
-        out[str(r)] = round(statistics.median(times) * 1e6, 1)
+    from epdserve.engine.worker.shm_collectives import ShmCollectives
+
+    shm = ShmCollectives(rank, 2, f"epdserve-bench-{init.rsplit(':', 1)[1]}", 4 << 20, 60.0)
+    if rank == 0:
+        shm.create()
+    dist.barrier()
+    if rank:
+        shm.attach()
+    dist.barrier()
+    if rank == 0:
+        shm.unlink()
+    out: dict[str, dict] = {"gloo": {}, "shm": {}}
+    for kind, reduce in (("gloo", dist.all_reduce), ("shm", shm.all_reduce)):
+        for r in rows:
+            t_ = torch.randn(r, hidden).to(torch.bfloat16)
+            for _ in range(20):
+                reduce(t_)
+            times = []
+            for _ in range(n):
+                t = time.perf_counter()
+                reduce(t_)
+                times.append(time.perf_counter() - t)
+            out[kind][str(r)] = round(statistics.median(times) * 1e6, 1)
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -183,9 +195,11 @@ def allreduce_costs(hidden: int, layers: int, n: int = 300) -> dict:
     procs[1].wait()
     return {
         "hidden": hidden,
+        "layers": layers,
         "per_call_us": per_call,
         "per_decode_step_ms_at_rows": {
-            r: round(us * 2 * layers / 1000, 2) for r, us in per_call.items() if int(r) <= 64
+            kind: {r: round(us * 2 * layers / 1000, 3) for r, us in calls.items() if int(r) <= 64}
+            for kind, calls in per_call.items()
         },
     }
 
