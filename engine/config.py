@@ -185,6 +185,11 @@ class EngineConfig:
         tp, backend = self.tensor_parallel_size, self.distributed_executor_backend
         if tp < 1:
             raise ValueError(f"tensor_parallel_size: must be at least 1, got {tp}")
+        if tp > 1 and self.role == "encoder":
+            raise ValueError(
+                f"tensor_parallel_size: an encoder pod runs the vision encoder alone, on one "
+                f"device; got {tp}"
+            )
         if backend is None:
             object.__setattr__(self, "distributed_executor_backend", "uni" if tp == 1 else "mp")
         elif backend not in EXECUTOR_BACKENDS:

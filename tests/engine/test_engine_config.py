@@ -141,3 +141,13 @@ def test_serve_refuses_a_variable_outside_the_choices_naming_the_field(monkeypat
     with pytest.raises(SystemExit) as exc:
         serve_cli.run(parser.parse_args(["/nonexistent-model", "--device", "cpu"]))
     assert "role: must be one of both, encoder, prefill, decode, got 'leader'" in str(exc.value)
+
+
+def test_tensor_parallel_settings_are_checked_naming_the_field():
+    assert EngineConfig(model="m", tensor_parallel_size=2).distributed_executor_backend == "mp"
+    assert EngineConfig(model="m").distributed_executor_backend == "uni"
+    assert vars(serve_args("m", "-tp", "4"))["tensor_parallel_size"] == 4
+    with pytest.raises(ValueError, match="tensor_parallel_size: must be at least 1"):
+        EngineConfig(model="m", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size: an encoder pod"):
+        EngineConfig(model="m", role="encoder", ec_transfer_config=EC, tensor_parallel_size=2)
