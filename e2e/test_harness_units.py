@@ -84,3 +84,19 @@ def test_security_context_maps_to_uid_gid_and_read_only_root():
     assert sec["readOnlyRoot"] and sec["noNewPrivs"]
     with pytest.raises(podspec.ConfigError, match="runAsNonRoot"):
         podspec.security({"spec": {"securityContext": {"runAsNonRoot": True}}}, {})
+
+
+def test_quantities_read_as_kubernetes_writes_them():
+    sizes = {"512Mi": 512 << 20, "1Gi": 1 << 30, "1G": 10**9, "1.5Ki": 1536, "1e3": 1000}
+    assert {q: podspec.quantity_bytes(q) for q in sizes} == sizes
+    with pytest.raises(podspec.ConfigError, match="512MB"):
+        podspec.quantity_bytes("512MB")
+
+
+def test_a_memory_empty_dir_is_a_tmpfs_of_its_size_limit(tmp_path):
+    def source(empty_dir):
+        volume = {"name": "dshm", "emptyDir": empty_dir}
+        return podspec.volume_source(POD, volume, lookup, tmp_path, {}, "")
+
+    assert source({"medium": "Memory", "sizeLimit": "512Mi"}) == {"source": None, "size": 512 << 20}
+    assert source({"medium": "Memory"}) == {"source": None, "size": None}

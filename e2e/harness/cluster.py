@@ -173,6 +173,7 @@ class LocalCluster:
             leaked_processes(self.started_groups())
             + self.network.leftovers()
             + [f"mount point {d}" for d in made if d.exists()]
+            + [f"tmpfs {p}" for p in sorted(self.kubelet.tmpfs if self.kubelet else ())]
         )
 
     def __enter__(self) -> LocalCluster:

@@ -60,6 +60,7 @@ class Container:
         # mounted over one of their parents (a clean checkout may live under /tmp)
         keep = sorted({str(Path(sys.prefix).resolve()), str(Path(PODINIT).resolve().parents[2])})
         spec = {"argv": argv, "env": self.env, "mounts": mounts, "keep": keep, **sec}
+        spec["hostname"] = pod.name
         spec_file.write_text(json.dumps(spec))
         log = open(pod.dir / f"{self.name}.log", "ab")  # noqa: SIM115 (owned by the process)
         log.write(f"--- {now_iso()} start #{self.restarts}: {argv}\n".encode())

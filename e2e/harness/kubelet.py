@@ -1,9 +1,10 @@
 """The node agent: runs every Pod bound to this node as local processes.
 
 Each Pod gets a network namespace (see netns.py); each container runs there through
-podinit.py with its env, volumes and security context. The kubelet runs startup, liveness
-and readiness probes, restarts exited containers (restartPolicy Always, with back-off),
-and reports the Pod's status through the API. Times from the spec (probe periods, back-off)
+podinit.py with its env, volumes and security context. Volumes live as long as their pod:
+an emptyDir is a directory of the pod's, a memory emptyDir a tmpfs (of its sizeLimit). The
+kubelet runs startup, liveness and readiness probes, restarts exited containers
+(restartPolicy Always, with back-off), and reports the Pod's status through the API. Times from the spec (probe periods, back-off)
 are multiplied by `time_scale` so tests run in seconds; thresholds and timeouts are kept.
 
 A pod marked for deletion (`deletionTimestamp`, see apiserver.py) is terminated as a kubelet
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,7 +75,7 @@ class PodRuntime:
                 volume = next(
                     v for v in self.obj["spec"].get("volumes", []) if v["name"] == vm["name"]
                 )
-                self.volumes[vm["name"]] = podspec.volume_source(
+                source = podspec.volume_source(
                     self.obj,
                     volume,
                     kubelet.lookup,
@@ -81,6 +83,9 @@ class PodRuntime:
                     kubelet.config.claims,
                     kubelet.config.token,
                 )
+                if source["source"] is None:  # a memory emptyDir
+                    source["source"] = self._tmpfs(vm["name"], source.get("size"))
+                self.volumes[vm["name"]] = source
             source = dict(self.volumes[vm["name"]])
             if vm.get("subPath"):
                 raise podspec.ConfigError("subPath mounts are not supported by the e2e kubelet")
@@ -91,6 +96,18 @@ class PodRuntime:
         for m in mounts:
             kubelet.mount_point(m["path"])
         return mounts
+
+    def _tmpfs(self, name: str, size: int | None) -> str:
+        """A memory emptyDir: a tmpfs on the host, of the sizeLimit when there is one, that
+        lives as long as the pod (a restarted container finds what the last one left, as on
+        a node); unmounted when the pod stops."""
+        where = self.dir / "volumes" / name
+        where.mkdir(parents=True, exist_ok=True)
+        options = "nosuid,nodev,mode=1777" + (f",size={size}" if size else "")
+        cmd = ["mount", "-t", "tmpfs", "-o", options, f"e2e-{name}", str(where)]
+        subprocess.run(cmd, check=True, capture_output=True)
+        self.kubelet.tmpfs.add(str(where))
+        return str(where)
 
     def _loop(self) -> None:
         while not self.stopping:
@@ -137,6 +154,9 @@ class PodRuntime:
         for c in self.containers:
             c.kill(self.grace())
         self.kubelet.network.remove_pod(self.netns)
+        for source in self.volumes.values():
+            if source["source"] in self.kubelet.tmpfs:
+                self.kubelet.unmount(source["source"])
 
     def _condition(self, ctype: str, ok: bool) -> dict:
         value = "True" if ok else "False"
@@ -176,6 +196,7 @@ class Kubelet:
         self.reported: dict[str, dict] = {}
         self.started_pids: set[int] = set()
         self.made_dirs: list[Path] = []
+        self.tmpfs: set[str] = set()  # memory emptyDirs mounted on the host
         self.errors: list[str] = []
         self._dirs_lock = threading.Lock()
         self._stop = threading.Event()
@@ -196,6 +217,13 @@ class Kubelet:
             if missing:
                 target.mkdir(parents=True, exist_ok=True)
                 self.made_dirs.append(missing[-1])
+
+    def unmount(self, path: str) -> None:
+        done = subprocess.run(["umount", "-l", path], capture_output=True, text=True)
+        if done.returncode == 0:
+            self.tmpfs.discard(path)
+        else:  # leaks() names it
+            self.errors.append(f"umount {path}: {done.stderr.strip()}")
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -22,6 +22,11 @@ PREFIX_LEN = 15
 POD_BASE = ipaddress.ip_address("198.18.1.0")
 SERVICE_BASE = ipaddress.ip_address("198.19.0.0")
 NETNS_DIR = Path("/etc/netns")
+# A pod's names are its hosts file (cluster DNS as hosts entries). Any other lookup must fail
+# at once, as cluster DNS answers one it has no record for: the node's nameserver is out of a
+# pod's reach, and glibc would wait 2 x 5 s for it (torch's gloo looks names up at start).
+# Nothing listens on the pod's own loopback port 53, so a query there is refused at once.
+RESOLV_CONF = "nameserver 127.0.0.1\noptions attempts:1\n"
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -126,6 +131,7 @@ class PodNetwork:
         ip("-n", netns, "route", "add", "default", "via", GATEWAY)
         (NETNS_DIR / netns).mkdir(parents=True, exist_ok=True)
         write_in_place(NETNS_DIR / netns / "hosts", "127.0.0.1\tlocalhost\n")
+        write_in_place(NETNS_DIR / netns / "resolv.conf", RESOLV_CONF)
         return netns, addr
 
     def set_hosts(self, netns: str, text: str) -> None:
@@ -140,7 +146,8 @@ class PodNetwork:
         ip("netns", "del", netns, check=False)
         if veth:
             ip("link", "del", veth, check=False)  # normally gone with the namespace
-        for leftover in (NETNS_DIR / netns / "hosts", NETNS_DIR / netns):
+        files = [NETNS_DIR / netns / name for name in ("hosts", "resolv.conf")]
+        for leftover in (*files, NETNS_DIR / netns):
             with contextlib.suppress(OSError):
                 leftover.unlink() if leftover.is_file() else leftover.rmdir()
 

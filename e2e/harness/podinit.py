@@ -2,8 +2,9 @@
 
 `ip netns exec <ns> python podinit.py SPEC.json` gives a process the pod's network and a
 private mount namespace; this script then lays out the container's filesystem view (volumes
-bind-mounted or tmpfs, the root file system read-only when the pod asks for it), drops to
-the pod's uid/gid, and execs the container's command with the container's environment.
+bind-mounted or tmpfs, the root file system read-only when the pod asks for it), names the
+host after the pod (a UTS namespace of its own), drops to the pod's uid/gid, and execs the
+container's command with the container's environment.
 Mount sources are opened before anything is mounted, so a volume mounted over `/tmp` cannot
 hide a source that lives under `/tmp`.
 """
@@ -13,10 +14,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import socket
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 PR_SET_NO_NEW_PRIVS = 38
+CLONE_NEWUTS = 0x04000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -57,6 +60,15 @@ def lay_out(mounts: list[dict], read_only_root: bool, keep: list[str] = ()) -> N
         _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY)
 
 
+def set_hostname(name: str) -> None:
+    """The pod's own UTS namespace, named after the pod (its hosts file maps the name to the
+    pod IP), as a container runtime gives every pod."""
+    if _libc.unshare(CLONE_NEWUTS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWUTS): {os.strerror(err)}")
+    socket.sethostname(name)
+
+
 def drop_privileges(uid: int | None, gid: int | None, groups: list[int], no_new_privs: bool):
     """setgroups/setgid/setuid as the kubelet does for runAsUser/runAsGroup/fsGroup."""
     if gid is not None:
@@ -72,6 +84,8 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     lay_out(spec["mounts"], spec.get("readOnlyRoot", False), spec.get("keep", []))
+    if spec.get("hostname"):
+        set_hostname(spec["hostname"])
     drop_privileges(spec.get("uid"), spec.get("gid"), spec.get("groups", []), spec["noNewPrivs"])
     os.chdir(spec.get("workingDir") or "/")
     argv, env = spec["argv"], spec["env"]

@@ -8,6 +8,7 @@ podinit applies. API objects come through a `lookup(kind, namespace, name) -> di
 from __future__ import annotations
 
 import base64
+import math
 import re
 from pathlib import Path
 
@@ -171,13 +172,28 @@ def _data_files(kind: str, obj: dict, items, optional: bool = False) -> dict[str
     return {i["path"]: data[i["key"]] for i in items if i["key"] in data}
 
 
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)([KMGTPE]i|[kMGTPE]|m)?")
+_SCALE = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_SCALE.update({f"{p}i": 1024 ** (i + 1) for i, p in enumerate("KMGTPE")})
+
+
+def quantity_bytes(quantity) -> int:
+    """A resource quantity (``512Mi``, ``1G``, ``1e9``) in whole bytes, rounded up."""
+    m = _QUANTITY.fullmatch(str(quantity))
+    if not m:
+        raise ConfigError(f"quantity {quantity!r} is not a Kubernetes quantity")
+    return math.ceil(float(m.group(1)) * _SCALE.get(m.group(2) or "", 1))
+
+
 def volume_source(pod, volume, lookup, pod_dir: Path, claims: dict, token: str) -> dict:
-    """Materialise one volume: {"source": host path or None (tmpfs)} (readOnly optional)."""
+    """Materialise one volume: {"source": host path} (readOnly optional), or for a memory
+    emptyDir {"source": None, "size": its sizeLimit in bytes or None} (the kubelet's tmpfs)."""
     namespace, name = pod["metadata"]["namespace"], volume["name"]
     where = pod_dir / "volumes" / name
     if "emptyDir" in volume:
-        if (volume["emptyDir"] or {}).get("medium") == "Memory":
-            return {"source": None}
+        if (volume["emptyDir"] or {}).get("medium") == "Memory":  # tmpfs, sized as a node does
+            limit = (volume["emptyDir"] or {}).get("sizeLimit")
+            return {"source": None, "size": None if limit is None else quantity_bytes(limit)}
         where.mkdir(parents=True, exist_ok=True)
         where.chmod(0o777)  # emptyDir is world-writable, as on a node
         return {"source": str(where)}
