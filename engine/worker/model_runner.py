@@ -200,6 +200,30 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str], sched: SchedulerOutput):
         states = [self.batch.states[r] for r in req_ids]
+        tokens = raw_logprobs = None
+        try:
+            tokens, raw_logprobs = self._choose(logits, req_ids, states, sched)
+        finally:  # the other ranks wait for the tokens: -1s when sampling raised
+            if self.model.tp.size > 1:
+                sent = torch.full((len(req_ids),), -1, dtype=torch.int64, device=logits.device)
+                tokens = self.model.tp.broadcast(sent if tokens is None else tokens.to(torch.int64))
+        want_lp = [s.params.logprobs for s in states]
+        batch_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        token_np = tokens.cpu().numpy()  # the step's one host sync on a device
+        self.batch.append_token(batch_rows, token_np)
+        token_list = token_np.tolist()
+        sampled = {r: [t] for r, t in zip(req_ids, token_list, strict=True)}
+        logprobs = {}
+        if raw_logprobs is not None:
+            for i, (req_id, k) in enumerate(zip(req_ids, want_lp, strict=True)):
+                if k is not None:
+                    logprobs[req_id] = compute_logprobs(
+                        raw_logprobs[i : i + 1], tokens[i : i + 1], k
+                    )
+        return sampled, logprobs
+
+    def _choose(self, logits: torch.Tensor, req_ids, states, sched: SchedulerOutput):
+        """The step's tokens, and the model's log-probabilities if a request wants them."""
         params = [s.params for s in states]
         all_greedy = all(p.greedy for p in params)
         want_lp = [p.logprobs for p in params]
@@ -222,26 +246,14 @@ class ModelRunner:
             tokens = argmax_rows(logits)  # no per-row sampling state to build
         else:
             tokens = sample(logits, [self._sampling_row(s) for s in states], all_greedy)
-        if self.model.tp.size > 1:
-            tokens = self.model.tp.broadcast(tokens.to(torch.int64).contiguous())
-        batch_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        token_np = tokens.cpu().numpy()  # the step's one host sync on a device
-        self.batch.append_token(batch_rows, token_np)
-        token_list = token_np.tolist()
-        sampled = {r: [t] for r, t in zip(req_ids, token_list, strict=True)}
-        logprobs = {}
-        if raw_logprobs is not None:
-            for i, (req_id, k) in enumerate(zip(req_ids, want_lp, strict=True)):
-                if k is not None:
-                    logprobs[req_id] = compute_logprobs(
-                        raw_logprobs[i : i + 1], tokens[i : i + 1], k
-                    )
-        return sampled, logprobs
+        return tokens, raw_logprobs
 
     def _follow(self, req_ids: list[str]) -> None:
         """Append the tokens the output rank sampled (tensor parallelism, other ranks)."""
         tokens = torch.empty(len(req_ids), dtype=torch.int64, device=self.model.device)
         token_np = self.model.tp.broadcast(tokens).cpu().numpy()
+        if (token_np < 0).any():  # its sampling raised: this step fails on every rank
+            raise RuntimeError("the output rank could not sample this step")
         rows = [self.batch.states[r].row for r in req_ids]
         self.batch.append_token(np.asarray(rows, dtype=np.int64), token_np)
 
