@@ -38,11 +38,13 @@ _decode_add = msgspec.msgpack.Decoder(EngineCoreRequest)
 _decode_abort = msgspec.msgpack.Decoder(list[str])
 _decode_lora = msgspec.msgpack.Decoder(lora_core.LoRAMessage)
 _encode = msgspec.msgpack.Encoder()
+IDLE_WAIT_MS = 200  # an idle core's wait for input, and between its checks of its ranks
 
 
 class CoreLoop:
     def __init__(self, core: EngineCore, input_sock, output_sock, publisher=None):
         self.core = core
+        self.executor = getattr(core, "executor", None)  # an encoder core has none
         self.publisher = publisher or NullEventPublisher()
         self.input = input_sock
         self.output = output_sock
@@ -56,7 +58,9 @@ class CoreLoop:
     def run(self) -> None:
         while True:
             idle = not self.core.has_unfinished_requests()
-            self._drain_input(timeout_ms=1000 if idle else 0)
+            if idle and self.executor is not None:
+                self.executor.check_health()  # a rank that died while idle ends the core now
+            self._drain_input(timeout_ms=IDLE_WAIT_MS if idle else 0)
             outputs = self.core.step()
             events = self.core.take_events()
             if events:  # one batch per step, in block-pool order

@@ -72,6 +72,10 @@ class Executor(ABC):
         """Clear device slot ``slot`` on every rank (its adapter was unloaded)."""
         self.collective_rpc("remove_lora", (slot,))
 
+    def check_health(self) -> None:
+        """Raise ``WorkerFailure`` if a rank is gone (the core checks while idle)."""
+        return  # in-process ranks live as long as the core
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every rank and release what it holds (stores, processes). Idempotent."""

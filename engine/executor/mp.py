@@ -192,6 +192,12 @@ class MultiprocExecutor(Executor):
                     deadline = min(deadline, time.monotonic() + GRACE_S)
         return [got[r] for r in range(self.size)]
 
+    def check_health(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                self.ranks.failed = True
+                raise WorkerFailure(f"rank {rank} exited (status {proc.returncode}) while idle")
+
     def execute_model(self, sched):
         return self.collective_rpc("execute_model", (sched,))[self.output_rank]
 

@@ -59,3 +59,14 @@ def test_tp2_serves_the_openai_client_and_a_killed_rank_fails_fast(tp_server):
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in workers):
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{p}") for p in workers), "a rank outlived its core"
+
+
+def test_a_rank_that_dies_while_idle_turns_health_503_within_a_second(tp_server):
+    srv = tp_server
+    assert httpx.get(srv.url + "/health").status_code == 200
+    os.kill(worker_pids(srv)[1], signal.SIGKILL)
+    killed = time.monotonic()
+    while time.monotonic() - killed < 5 and httpx.get(srv.url + "/health").status_code != 503:
+        time.sleep(0.05)
+    assert httpx.get(srv.url + "/health").status_code == 503
+    assert time.monotonic() - killed < 2
