@@ -150,10 +150,10 @@ class ModelRunner:
                 self._encode(sched, outputs)
             except Exception:
                 if images:
-                    _step_status(tp, failed=True)
+                    _step_status(tp, input_ids.device, failed=True)
                 raise
         if images:
-            _step_status(tp)  # the output rank's word on its images
+            _step_status(tp, input_ids.device)  # the output rank's word on its images
         if not any(r in self.mm_features for r in inputs.order):
             return None
         embeds = self.model.embed_tokens(input_ids)
@@ -290,9 +290,9 @@ class ModelRunner:
         return out
 
 
-def _step_status(tp, failed: bool = False) -> None:
+def _step_status(tp, device: torch.device, failed: bool = False) -> None:
     """The output rank tells the others whether this step's images are ready (a refused
     step raises on every rank at the same point, so the group stays in step)."""
-    flag = tp.broadcast(torch.tensor([int(failed)], dtype=torch.int64))
+    flag = tp.broadcast(torch.tensor([int(failed)], dtype=torch.int64, device=device))
     if flag.item() and not tp.is_output:
         raise MissingPixelsError([], [])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest_helpers import MAX_NEW, assert_no_leak, make_prompts
 from PIL import Image
 
@@ -132,3 +133,18 @@ def test_a_tp_that_does_not_divide_the_heads_is_refused_naming_the_flag(models):
             tensor_parallel_size=2,
             distributed_executor_backend="uni",
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+def test_tp2_on_two_gpus_equals_transformers(models, hf_reference):
+    """NCCL ranks, a GPU each: the same tokens as transformers (fp32)."""
+    path = models.get("llama")
+    prompts = make_prompts(4)
+    llm = LLM(model=str(path), dtype="float32", device="cuda", tensor_parallel_size=2)
+    assert tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)) == (
+        hf_reference.greedy(path, prompts)
+    )
+    llm.engine.close()
