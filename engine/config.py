@@ -9,6 +9,7 @@ once. The config reaches the engine-core process msgpack-encoded on stdin
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import msgspec
@@ -190,6 +191,11 @@ class EngineConfig:
                 f"tensor_parallel_size: an encoder pod runs the vision encoder alone, on one "
                 f"device; got {tp}"
             )
+        if tp > 1 and os.path.isfile(os.path.join(self.model, "config.json")):
+            from epdserve.engine.models.config import load_model_config
+            from epdserve.engine.models.layers import check_tensor_parallel
+
+            check_tensor_parallel(load_model_config(self.model), tp)  # before any process starts
         if backend is None:
             object.__setattr__(self, "distributed_executor_backend", "uni" if tp == 1 else "mp")
         elif backend not in EXECUTOR_BACKENDS:
