@@ -39,7 +39,7 @@ from epdserve.engine.executor.rank_messages import (
     WorkerFailure,
     rebuild,
 )
-from epdserve.engine.executor.shm_ring import RingHandle, ShmRing
+from epdserve.engine.executor.shm_ring import SLEEP_BUSY, RingHandle, ShmRing
 from epdserve.engine.worker.parallel import step_timeout_s
 
 log = logging.getLogger("epdserve.executor")
@@ -121,7 +121,9 @@ class MultiprocExecutor(Executor):
                 raise WorkerFailure(f"rank {rank}: exited with status {code} while starting")
             handle = msgspec.msgpack.decode(data, type=RingHandle)
             alive = self._alive(rank)
-            self.replies.append(ShmRing.attach(handle, 0, alive=alive))
+            ring = ShmRing.attach(handle, 0, alive=alive)
+            ring.max_sleep = SLEEP_BUSY  # a reply is due within the step: poll closely
+            self.replies.append(ring)
         log.info(
             "%d worker processes (tensor parallel), cores %s",
             self.size,

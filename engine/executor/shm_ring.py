@@ -29,6 +29,7 @@ import msgspec
 SPIN_SECONDS = 300e-6
 SLEEP_FIRST = 20e-6  # then sleep, doubling from this ...
 SLEEP_MAX = 1e-3  # ... to this, so an idle reader costs close to no CPU
+SLEEP_BUSY = 100e-6  # ... or to this, for a wait that ends soon (``ShmRing.max_sleep``)
 ALIVE_EVERY = 0.05  # seconds between ``alive()`` checks while waiting
 
 MAGIC = b"EPDRING1"
@@ -109,6 +110,9 @@ class ShmRing:
         self._parts: list[bytes] = []  # fragments of a message a timed-out read began
         self._broken = False  # a write stopped mid-message: readers hold a partial one
         self._all_read = b"\x01" * handle.n_readers
+        # the longest sleep between polls: a waiter that expects its message soon (the core
+        # waiting on a step, a rank between steps) sets a short one, an idle one the default
+        self.max_sleep = SLEEP_MAX
 
     @classmethod
     def create(
@@ -256,7 +260,7 @@ class ShmRing:
                 os.sched_yield()
             else:
                 time.sleep(sleep)
-                sleep = min(sleep * 2, SLEEP_MAX)
+                sleep = min(sleep * 2, self.max_sleep)
 
     def close(self) -> None:
         """Unmap the segment; the writer also unlinks it. Idempotent."""

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 
@@ -29,10 +30,11 @@ from epdserve.engine.executor.rank_messages import (
     RankStart,
     error_of,
 )
-from epdserve.engine.executor.shm_ring import ShmRing
+from epdserve.engine.executor.shm_ring import SLEEP_BUSY, SLEEP_MAX, ShmRing
 
 log = logging.getLogger("epdserve.worker")
 
+BUSY_FOR_S = 0.05  # a call this recent means the engine is stepping
 REPLY_CHUNK = 4 << 20  # a step's output: token ids, logprobs (pixels never come back)
 _encode = msgspec.msgpack.Encoder()
 _decode_call = msgspec.msgpack.Decoder(RankCall)
@@ -61,8 +63,11 @@ def serve(start: RankStart, handshake_fd: int) -> None:
     config = decode_config(start.config)
     worker = Worker(config, start.rank, start.init_method)
     try:
-        while True:
+        last = time.monotonic()
+        while True:  # between steps of a busy engine poll closely, when idle sleep longer
+            calls.max_sleep = SLEEP_BUSY if time.monotonic() - last < BUSY_FOR_S else SLEEP_MAX
             call = _decode_call.decode(calls.read(timeout=None))
+            last = time.monotonic()
             reply = RankReply(start.rank)
             try:
                 args = msgspec.msgpack.decode(call.args, type=SIGNATURES[call.method][0])
