@@ -96,7 +96,7 @@ def interleaved(cases: dict, repeats: int) -> dict:
 
 def kv_functions(store, shape, num_blocks: int) -> tuple:
     """Save and load of ``num_blocks`` bf16 blocks through ``KVBlockIO``, in batches."""
-    meta = KVBlockMeta("bench-model", shape[2], "sha256_cbor")
+    meta = KVBlockMeta("bench-model", shape[2], "sha256_cbor", shape[3])
     io = KVBlockIO(store, "bench", meta)
     source = torch.randn(num_blocks, *shape).to(torch.bfloat16)
     dest = torch.zeros_like(source)

@@ -19,13 +19,8 @@ import numpy as np
 import torch
 import xxhash
 
-from epdserve.connectors.storage.codec import (
-    DTYPE_CODES,
-    KVBlockMeta,
-    decode_kv_block,
-    dtype_name,
-    encode_kv_block,
-)
+from epdserve.connectors.storage.codec import DTYPE_CODES, dtype_name
+from epdserve.connectors.storage.kv_codec import KVBlockMeta, decode_kv_block, encode_kv_block
 
 
 def v1_encode(tensor: torch.Tensor, metadata: dict[str, str]) -> bytes:
@@ -75,7 +70,7 @@ def _best(cases: dict, repeats: int) -> dict[str, float]:
 
 def codec_case(shape: tuple[int, ...], total_bytes: int, repeats: int) -> dict:
     """Encode/decode MB/s of formats v2 and v1 and of the bare checksums for one geometry."""
-    meta = KVBlockMeta("bench-model", shape[2], "sha256_cbor")
+    meta = KVBlockMeta("bench-model", shape[2], "sha256_cbor", shape[3])
     block_bytes = torch.empty(shape, dtype=torch.bfloat16).nbytes
     n = max(8, total_bytes // block_bytes)
     source = torch.randn(n, *shape).to(torch.bfloat16)

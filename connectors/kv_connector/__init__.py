@@ -11,7 +11,9 @@ from epdserve.connectors.kv_connector.base import (
     KVConnectorOutput,
     KVConnectorRole,
     KVConnectorStats,
+    KVLayout,
     KVRequest,
+    KVShard,
     ScheduledRequest,
 )
 from epdserve.connectors.kv_connector.config import KV_ROLES, KVTransferConfig
@@ -21,7 +23,6 @@ from epdserve.connectors.kv_connector.registry import (
     register_connector,
 )
 from epdserve.connectors.kv_connector.storage_connector import (
-    KVLayout,
     RedisConnector,
     SharedStorageConnector,
     StorageConnector,
@@ -38,6 +39,7 @@ __all__ = [
     "KVConnectorStats",
     "KVLayout",
     "KVRequest",
+    "KVShard",
     "KVTransferConfig",
     "RedisConnector",
     "ScheduledRequest",

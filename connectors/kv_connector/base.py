@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
+
+from epdserve.connectors.storage.kv_io import HeadSlice
 
 
 class KVConnectorRole(enum.Enum):
@@ -29,6 +32,18 @@ class KVLayout:
     fingerprint: str  # model + dtype + cache geometry
     block_size: int
     hash_algo: str
+    num_kv_heads: int  # the model's, whatever the TP
+    value_heads: int = 0  # KV heads per value this pod's ranks write (its TP's share; 0: all)
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """A tensor-parallel rank's part of the worker side: the KV heads its cache holds, and
+    ``all_reduce`` (sums a tensor over the ranks, in place), which every rank's worker half
+    calls at the same point of a step so that all ranks report the same transfers done."""
+
+    heads: HeadSlice
+    all_reduce: Callable[[Any], Any]
 
 
 class KVRequest(Protocol):
@@ -36,6 +51,7 @@ class KVRequest(Protocol):
 
     request_id: str
     block_hashes: list[bytes]  # one per full block of tokens, chained
+    all_token_ids: list[int]
     num_tokens: int
     num_prompt_tokens: int
     num_computed_tokens: int
@@ -51,11 +67,16 @@ class ScheduledRequest(NamedTuple):
 
 
 class BlockTransfer(msgspec.Struct, array_like=True):
-    """Blocks of one request to move: ``block_ids[i]`` holds the block named ``block_hashes[i]``."""
+    """Blocks of one request to move: ``block_ids[i]`` holds the block named ``block_hashes[i]``.
+    ``tail_tokens`` > 0: the last block is a prompt's partial last block (named by its tail
+    hash), of which only the first ``tail_tokens`` tokens move. ``part_heads`` (loads): KV
+    heads per stored value, as the pod that wrote them cut them (0: as this pod does)."""
 
     req_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
+    tail_tokens: int = 0
+    part_heads: int = 0
 
 
 class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -78,11 +99,12 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class KVConnectorStats(msgspec.Struct, frozen=True):
     """A connector's transfer counters since it started (the worker side moves the blocks)."""
 
-    saved: int = 0  # blocks stored
-    save_failures: int = 0  # blocks the store could not take
-    loaded: int = 0  # blocks copied into the paged cache
-    misses: int = 0  # blocks a load found absent (never stored, evicted, expired)
-    rejected: int = 0  # blocks present but refused (``rejections`` says why): deleted
+    saved: int = 0  # blocks stored (every part of them, by every rank that stores)
+    save_failures: int = 0  # blocks the store could not take (a part of them, on some rank)
+    loaded: int = 0  # blocks copied into the paged cache (on every rank)
+    misses: int = 0  # blocks a load could not fill: a value absent (never stored, evicted,
+    # expired) or refused, on some rank
+    rejected: int = 0  # stored values refused (``rejections`` says why): deleted
 
 
 class KVConnectorBase(ABC):
@@ -96,16 +118,18 @@ class KVConnectorBase(ABC):
     def get_num_new_matched_tokens(
         self, request: KVRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` (whole blocks) the connector can load, and
-        whether the load is asynchronous; ``None`` while a lookup is still in flight (ask again
-        next step). Never the prompt's last token. Mutates only the connector's bookkeeping."""
+        """Tokens beyond ``num_computed_tokens`` the connector can load, and whether the load
+        is asynchronous; ``None`` while a lookup is still in flight (ask again next step). Whole
+        blocks, except that the last one may be partial (a prompt's last block a prefill pod
+        saved); never the prompt's last token. Mutates only the connector's bookkeeping."""
 
     @abstractmethod
     def update_state_after_alloc(
         self, request: KVRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """Blocks are allocated: queue a load of the ``num_external_tokens`` tokens that
-        follow the locally computed ones into ``block_ids`` (the request's whole block list)."""
+        follow the locally computed ones into ``block_ids`` (the request's whole block list;
+        the last block loaded may be partly filled)."""
 
     @abstractmethod
     def build_connector_meta(self, scheduled: list[ScheduledRequest]) -> KVConnectorMetadata:
@@ -138,7 +162,8 @@ class KVConnectorBase(ABC):
     # --- worker side ----------------------------------------------------------------
     @abstractmethod
     def register_kv_caches(self, kv_cache: Any) -> None:
-        """The paged cache ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``."""
+        """The paged cache ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]`` (at TP > 1
+        this rank's KV heads only)."""
 
     @abstractmethod
     def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:
@@ -166,12 +191,14 @@ class KVConnectorBase(ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """``(done_sending, done_recving)``: finished requests (``finished_req_ids`` are this
         step's finished or preempted ones) whose saves are done, and requests whose loads are
-        done. Forgets what it reports."""
+        done. At TP > 1 every rank calls it in the same step and gets the same answer: done on
+        every rank (a collective). Forgets what it reports."""
 
     @abstractmethod
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of loads reported done that could not be filled (and every later block of
-        the same load, since a prefix is only usable up to its first hole). Resets the set."""
+        """Blocks of loads reported done that could not be filled on any rank (and every later
+        block of the same load, since a prefix is only usable up to its first hole). Resets
+        the set."""
 
     def close(self) -> None:
         """Finish background work and release the store."""

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from epdserve.connectors.kv_connector.base import KVConnectorBase, KVConnectorRole
+from epdserve.connectors.kv_connector.base import (
+    KVConnectorBase,
+    KVConnectorRole,
+    KVLayout,
+    KVShard,
+)
 from epdserve.connectors.kv_connector.config import KVTransferConfig
 from epdserve.connectors.kv_connector.storage_connector import (
-    KVLayout,
     RedisConnector,
     SharedStorageConnector,
 )
@@ -17,11 +21,17 @@ KV_CONNECTORS: dict[str, type] = {
 
 
 def register_connector(name: str, cls: type) -> None:
-    """Make ``{"kv_connector": name}`` build ``cls(config, role, layout)``."""
+    """Make ``{"kv_connector": name}`` build ``cls(config, role, layout)`` (and
+    ``shard=KVShard(...)`` for a worker side at TP > 1)."""
     KV_CONNECTORS[name] = cls
 
 
 def create_connector(
-    config: KVTransferConfig, role: KVConnectorRole, layout: KVLayout
+    config: KVTransferConfig,
+    role: KVConnectorRole,
+    layout: KVLayout,
+    shard: KVShard | None = None,
 ) -> KVConnectorBase:
-    return KV_CONNECTORS[config.kv_connector](config, role, layout)
+    """``shard``: a tensor-parallel rank's heads and collective (worker side, TP > 1)."""
+    cls = KV_CONNECTORS[config.kv_connector]
+    return cls(config, role, layout) if shard is None else cls(config, role, layout, shard=shard)

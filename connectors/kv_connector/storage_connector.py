@@ -18,6 +18,7 @@ from epdserve.connectors.kv_connector.base import (
     KVConnectorStats,
     KVLayout,
     KVRequest,
+    KVShard,
     ScheduledRequest,
 )
 from epdserve.connectors.kv_connector.config import KVTransferConfig
@@ -33,7 +34,7 @@ from epdserve.connectors.storage import (
 )
 from epdserve.connectors.storage.transfer import rejection_counts
 
-__all__ = ["KVLayout", "RedisConnector", "SharedStorageConnector", "StorageConnector"]
+__all__ = ["RedisConnector", "SharedStorageConnector", "StorageConnector"]
 
 
 class StorageConnector(KVConnectorBase):
@@ -59,18 +60,24 @@ class StorageConnector(KVConnectorBase):
         role: KVConnectorRole,
         layout: KVLayout,
         store: BlockStore | None = None,
+        shard: KVShard | None = None,
     ):
+        """``shard``: a tensor-parallel rank's heads and collective (worker side; None: the
+        cache holds every KV head)."""
         super().__init__(role)
         self.config, self.layout = config, layout
         self.store = store or create_store(config.storage_options())
-        meta = KVBlockMeta(layout.fingerprint, layout.block_size, layout.hash_algo)
-        self.kv_io = KVBlockIO(self.store, config.pool, meta)
+        meta = KVBlockMeta(
+            layout.fingerprint, layout.block_size, layout.hash_algo, layout.num_kv_heads
+        )
+        heads = shard.heads if shard is not None else None
+        self.kv_io = KVBlockIO(self.store, config.pool, meta, heads=heads)
         self.scheduler_side: StoreScheduler | None = None
         self.worker_side: StoreWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = StoreScheduler(config, layout, self.kv_io)
         else:
-            self.worker_side = StoreWorker(self.store, self.kv_io)
+            self.worker_side = StoreWorker(self.store, self.kv_io, shard)
 
     # --- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -126,10 +133,14 @@ class StorageConnector(KVConnectorBase):
 
     # --- either side ----------------------------------------------------------------------
     def stats(self) -> KVConnectorStats:
+        if self.worker_side is not None:  # what every rank agreed on
+            return self.worker_side.stats()
         s = self.kv_io.stats
         return KVConnectorStats(s.saved, s.save_failures, s.loaded, s.misses, s.rejected)
 
     def rejections(self) -> dict[str, int]:
+        if self.worker_side is not None:
+            return self.worker_side.rejections()
         return rejection_counts(self.kv_io, self.store)
 
     def close(self) -> None:

@@ -3,7 +3,9 @@
 It looks up how many leading prompt blocks the store holds (or trusts the hashes a prefill
 pod handed over), queues loads into freshly allocated blocks, asks for each block to be
 saved once, right after the forward that fills it, and turns what the worker side reports
-stored (or found gone) into store-tier KV events.
+stored (or found gone) into store-tier KV events. A prefill pod also saves a prompt's partial
+last block (its tail, ``load_chain.py``) and names it in ``kv_transfer_params``, so the decode
+pod loads every prompt token but the last.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ from epdserve.connectors.kv_connector.base import (
     ScheduledRequest,
 )
 from epdserve.connectors.kv_connector.config import KVTransferConfig
+from epdserve.connectors.kv_connector.load_chain import (
+    LoadChain,
+    chain_tokens,
+    load_chain,
+    tail_hash,
+)
+from epdserve.connectors.kv_connector.store_lookup import Found, handed_over, look_up
 from epdserve.connectors.kv_events import STORE_MEDIUM, BlockRemoved, BlockStored, hash_to_int
 from epdserve.connectors.kv_events.keys import extend_keys
 from epdserve.connectors.storage import KVBlockIO
@@ -36,11 +45,13 @@ class StoreScheduler:
     def __init__(self, config: KVTransferConfig, layout: KVLayout, kv_io: KVBlockIO):
         self.config, self.layout, self.kv_io = config, layout, kv_io
         self._warned = False
-        self._known_prefix: dict[str, int] = {}  # req -> leading blocks the store holds
+        self._known_prefix: dict[str, Found] = {}  # req -> what of its chain the store holds
+        self._chains: dict[str, LoadChain] = {}  # req -> what it may load
         self._lookups: dict[str, Future] = {}  # req -> store lookup in flight
         self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="epd-kv-lookup")
         self._saved_upto: dict[str, int] = {}  # req -> blocks saved (or skipped) so far
         self._has_saves: set[str] = set()
+        self._tails: dict[str, bytes] = {}  # req -> its prompt's tail, saved or being saved
         self._queued_loads: list[BlockTransfer] = []
         # block hash -> (parent hash, tokens, router keys, adapter) of planned saves, for
         # store events
@@ -55,23 +66,45 @@ class StoreScheduler:
             return None, False
         if not self.config.is_consumer:
             return 0, False
-        n = max(0, known * self.layout.block_size - num_computed_tokens)
+        tokens = chain_tokens(self._chain(request), known.count, self.layout.block_size)
+        n = max(0, tokens - num_computed_tokens)
         return n, n > 0
 
-    def _known(self, request: KVRequest) -> int | None:
-        """Leading blocks in the store (prompt's last token excluded: it must be computed);
-        None while the store has not answered, so a slow store never stalls the engine."""
+    def _chain(self, request: KVRequest) -> LoadChain:
+        """What ``request`` may load: its prompt's tail too when it is a consumer's request
+        that has no outputs yet."""
+        rid = request.request_id
+        chain = self._chains.get(rid)
+        if chain is None:
+            bs, tail = self.layout.block_size, None
+            if self.config.is_consumer and request.num_tokens == request.num_prompt_tokens:
+                tail = tail_hash(request, bs)
+            chain = self._chains[rid] = load_chain(request, bs, tail)
+        return chain
+
+    def _known(self, request: KVRequest) -> Found | None:
+        """What of the request's chain the store holds (the prompt's last token is never
+        loaded: it must be computed); None while the store has not answered, so a slow store
+        never stalls the engine."""
         rid = request.request_id
         if rid in self._known_prefix:
             return self._known_prefix[rid]
         job = self._lookups.get(rid)
         if job is None:
-            hashes = request.block_hashes[: (request.num_tokens - 1) // self.layout.block_size]
-            trusted = self._handed_over(request, hashes)
-            if trusted is not None or not hashes:
-                self._known_prefix[rid] = trusted or 0
+            chain, heads = self._chain(request), self.layout.num_kv_heads
+            params = request.kv_transfer_params or {}
+            layout = (self.layout.fingerprint, self.config.pool)
+            trusted, why = handed_over(params, chain.hashes, chain.tail_tokens > 0, *layout)
+            if why is not None:
+                self._warn_once(why)
+            if trusted is not None and heads % (trusted.part_heads or 1) == 0:
+                self._known_prefix[rid] = trusted
+                return trusted
+            if not chain.hashes:
+                self._known_prefix[rid] = Found(0, 0)
                 return self._known_prefix[rid]
-            job = self._lookup_pool.submit(self.kv_io.count_cached_prefix, hashes)
+            own = self.layout.value_heads or heads
+            job = self._lookup_pool.submit(look_up, self.kv_io, chain.hashes, own)
             self._lookups[rid] = job
         try:
             found = job.result(timeout=LOOKUP_WAIT_S)
@@ -80,34 +113,6 @@ class StoreScheduler:
         self._known_prefix[rid] = found
         del self._lookups[rid]
         return found
-
-    def _handed_over(self, request: KVRequest, hashes: list[bytes]) -> int | None:
-        """Blocks a prefill pod says it saved for this prompt, when its hashes, model and pool
-        agree with ours (None: look them up instead). A load that then misses is recomputed."""
-        params = request.kv_transfer_params or {}
-        remote = params.get("block_hashes")
-        if not params.get("do_remote_prefill") or not remote or not hashes:
-            return None
-        theirs = (params.get("fingerprint"), params.get("pool"))
-        if theirs[0] not in (None, self.layout.fingerprint) or theirs[1] not in (
-            None,
-            self.config.pool,
-        ):
-            self._warn_once(
-                f"kv_transfer_params name model {theirs[0]} in pool {theirs[1]}, not ours"
-            )
-            return None
-        agree = 0
-        for mine, their_hash in zip(hashes, remote, strict=False):
-            if mine.hex() != their_hash:
-                break
-            agree += 1
-        if agree == 0:
-            self._warn_once(
-                "kv_transfer_params.block_hashes disagree with this pod's: do all pods of the "
-                "pool share --hash-seed and --prefix-caching-hash-algo?"
-            )
-        return agree or None
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:
@@ -119,14 +124,15 @@ class StoreScheduler:
     ) -> None:
         if num_external_tokens <= 0:
             return
-        bs = self.layout.block_size
+        bs, chain = self.layout.block_size, self._chain(request)
         first = request.num_computed_tokens // bs
-        last = first + num_external_tokens // bs
-        self._queued_loads.append(
-            BlockTransfer(
-                request.request_id, block_ids[first:last], request.block_hashes[first:last]
-            )
-        )
+        last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
+        tail = chain.tail_tokens if chain.tail_tokens and last == len(chain.hashes) else 0
+        ids, hashes = block_ids[first:last], chain.hashes[first:last]
+        part_heads = self._known_prefix.get(request.request_id, Found(0, 0)).part_heads
+        if part_heads == (self.layout.value_heads or self.layout.num_kv_heads):
+            part_heads = 0  # cut as this pod cuts them
+        self._queued_loads.append(BlockTransfer(request.request_id, ids, hashes, tail, part_heads))
 
     def build_connector_meta(self, scheduled: list[ScheduledRequest]) -> KVConnectorMetadata:
         saves = []
@@ -137,18 +143,42 @@ class StoreScheduler:
         return meta
 
     def _plan_save(self, item: ScheduledRequest) -> BlockTransfer | None:
-        """The prompt blocks that become full in this step and were never saved."""
+        """The prompt blocks that become full in this step and were never saved, and, once
+        the prompt is computed, the tail of a prompt handed over to a decode pod."""
         request, block_ids, computed = item
         rid = request.request_id
         num_full = min(computed, request.num_prompt_tokens) // self.layout.block_size
         num_full = min(num_full, len(request.block_hashes), len(block_ids))
-        start = self._saved_upto.get(rid, self._known_prefix.get(rid, 0))
-        if num_full <= start:
+        start = self._saved_upto.get(rid, self._known_prefix.get(rid, Found(0, 0)).count)
+        ids, hashes = block_ids[start:num_full], request.block_hashes[start:num_full]
+        tail = self._plan_tail(request, block_ids, computed)
+        if not ids and tail is None:
             return None
-        self._saved_upto[rid] = num_full
         self._has_saves.add(rid)
-        self._plan_store_events(request, start, num_full)
-        return BlockTransfer(rid, block_ids[start:num_full], request.block_hashes[start:num_full])
+        if ids:
+            self._saved_upto[rid] = num_full
+            self._plan_store_events(request, start, num_full)
+        if tail is None:
+            return BlockTransfer(rid, ids, hashes)
+        k = request.num_prompt_tokens // self.layout.block_size
+        rest = request.num_prompt_tokens % self.layout.block_size
+        return BlockTransfer(rid, [*ids, block_ids[k]], [*hashes, tail], rest)
+
+    def _plan_tail(self, request: KVRequest, block_ids: list[int], computed: int) -> bytes | None:
+        """The tail hash of a prompt to hand over whose last token this step computes (when
+        the tail holds more than that last token, which the decode pod computes anyway)."""
+        rid, bs = request.request_id, self.layout.block_size
+        wants = (request.kv_transfer_params or {}).get("do_remote_decode")
+        if not wants or rid in self._tails or computed < request.num_prompt_tokens:
+            return None
+        if request.num_prompt_tokens % bs < 2:
+            return None
+        if len(block_ids) <= request.num_prompt_tokens // bs:
+            return None
+        tail = tail_hash(request, bs)
+        if tail is not None:
+            self._tails[rid] = tail
+        return tail
 
     def _plan_store_events(self, request: KVRequest, start: int, end: int) -> None:
         tokens = getattr(request, "all_token_ids", None)
@@ -206,8 +236,11 @@ class StoreScheduler:
         for t in metadata.saves:
             for block_hash in t.block_hashes:
                 self._save_plans.pop(block_hash, None)
+            num_full = len(t.block_hashes) - (1 if t.tail_tokens else 0)
+            if t.tail_tokens:
+                self._tails.pop(t.req_id, None)
             if t.req_id in self._saved_upto:
-                self._saved_upto[t.req_id] -= len(t.block_hashes)
+                self._saved_upto[t.req_id] -= num_full
 
     def request_finished(
         self, request: KVRequest, block_ids: list[int]
@@ -217,12 +250,14 @@ class StoreScheduler:
         self._has_saves.discard(rid)
         self._saved_upto.pop(rid, None)
         self._known_prefix.pop(rid, None)
+        self._chains.pop(rid, None)
         self._lookups.pop(rid, None)
+        tail = self._tails.pop(rid, None)
         wants = (request.kv_transfer_params or {}).get("do_remote_decode")
         if not (self.config.is_producer and wants):
             return delay_free, None
         n = min(request.num_prompt_tokens // self.layout.block_size, len(request.block_hashes))
-        return delay_free, {
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "block_hashes": [h.hex() for h in request.block_hashes[:n]],
@@ -230,7 +265,12 @@ class StoreScheduler:
             "pool": self.config.pool,
             "fingerprint": self.layout.fingerprint,
             "kv_connector": self.config.kv_connector,
+            "kv_heads_per_value": self.layout.value_heads or self.layout.num_kv_heads,
         }
+        if tail is not None:  # the prompt's partial last block, saved with the full ones
+            params["tail_hash"] = tail.hex()
+            params["num_tokens"] = request.num_prompt_tokens
+        return delay_free, params
 
     def close(self) -> None:
         self._lookup_pool.shutdown(wait=True, cancel_futures=True)

@@ -7,8 +7,9 @@ the backend is down, slow, full, read-only or returns garbage: it is a miss (or 
 and a counter in ``.stats``. Typical use by a KV connector::
 
     store = create_store({"url": "redis://cache:6379/0"})  # or {"path": "/cache/kv"}
-    kv_io = KVBlockIO(store, pool, KVBlockMeta(fingerprint(model, dtype), block_size, "sha256_cbor"))
-    n = kv_io.count_cached_prefix(block_hashes)  # scheduler side: blocks available remotely
+    meta = KVBlockMeta(fingerprint(model, dtype), block_size, "sha256_cbor", num_kv_heads)
+    kv_io = KVBlockIO(store, pool, meta, heads=HeadSlice(first, count))  # a TP rank's heads
+    n = kv_io.count_cached_prefix(block_hashes)  # scheduler side: blocks with every head stored
     worker = AsyncBlockStore(store)
     done = worker.submit(kv_io.load, kv_cache, block_ids, block_hashes)  # -> Future[list[bool]]
     worker.submit(kv_io.save, kv_cache, block_ids, block_hashes)
@@ -30,16 +31,18 @@ _EXPORTS = {
     "create_store": "factory",
     "store_config": "factory",
     "register_store": "factory",
-    "KVBlockMeta": "codec",
+    "KVBlockMeta": "kv_codec",
+    "KVPart": "kv_codec",
     "EncoderOutputMeta": "codec",
-    "encode_kv_block": "codec",
-    "decode_kv_block": "codec",
+    "encode_kv_block": "kv_codec",
+    "decode_kv_block": "kv_codec",
     "encode_encoder_output": "codec",
     "decode_encoder_output": "codec",
     "kv_key": "keys",
     "ec_key": "keys",
     "fingerprint": "keys",
-    "KVBlockIO": "transfer",
+    "KVBlockIO": "kv_io",
+    "HeadSlice": "kv_io",
     "EncoderOutputIO": "transfer",
     "TransferStats": "transfer",
 }

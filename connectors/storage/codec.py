@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import struct
 import warnings
 from dataclasses import dataclass
@@ -35,8 +36,6 @@ from epdserve.connectors.storage.header import (
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: the metadata names the value's key and a checksum of its data
-KV_LAYOUT = "layer,kv,token,head,dim"  # one block of [blocks, layers, 2, block_size, heads, dim]
-KV_TENSOR = "kv"
 EC_TENSOR = "embedding"
 # Not a cryptographic hash on purpose: whoever can write to the store can write any unkeyed
 # digest too, so this guards against damage and mix-ups, where xxh3 is ~6x faster than blake3.
@@ -45,7 +44,7 @@ CHECKSUM_ALGO = "xxh3_128"
 # why a stored value was refused (the ``reason`` label of the rejection counter)
 FORMAT = "format"  # another format or format version
 KEY = "key"  # the header names another key: the value was stored or copied under ours
-METADATA = "metadata"  # another model, layout, block size or hash algorithm
+METADATA = "metadata"  # another model, layout, block size, head count, head or hash algorithm
 DTYPE_SHAPE = "dtype_shape"  # another dtype or shape than the reader's
 TRUNCATED = "truncated"  # shorter than its header says
 OVERSIZED = "oversized"  # longer than its header says
@@ -103,27 +102,6 @@ def payload_checksum(data) -> str:
 
 
 @dataclass(frozen=True)
-class KVBlockMeta:
-    """What a stored KV block must agree on with its reader (besides key, shape and dtype)."""
-
-    fingerprint: str
-    block_size: int
-    hash_algo: str
-    layout: str = KV_LAYOUT
-    version: int = FORMAT_VERSION
-
-    def to_metadata(self) -> dict[str, str]:
-        return {
-            "format": "epd-kv",
-            "version": str(self.version),
-            "fingerprint": self.fingerprint,
-            "layout": self.layout,
-            "block_size": str(self.block_size),
-            "hash_algo": self.hash_algo,
-        }
-
-
-@dataclass(frozen=True)
 class EncoderOutputMeta:
     """What a stored encoder output must agree on with its reader (besides key, shape, dtype)."""
 
@@ -132,25 +110,6 @@ class EncoderOutputMeta:
 
     def to_metadata(self) -> dict[str, str]:
         return {"format": "epd-ec", "version": str(self.version), "fingerprint": self.fingerprint}
-
-
-def encode_kv_block(tensor: torch.Tensor, meta: KVBlockMeta, key: str) -> bytes:
-    """Safetensors bytes of one block's cross-layer span ``[layers, 2, block, heads, dim]``,
-    to be stored under ``key``."""
-    return encode_tensor(KV_TENSOR, tensor, {**meta.to_metadata(), "key": key})
-
-
-def decode_kv_block(
-    data: bytes | memoryview,
-    expected_meta: KVBlockMeta,
-    expected_shape: tuple[int, ...],
-    dtype: torch.dtype,
-    key: str,
-    out: torch.Tensor | None = None,
-) -> Decoded:
-    """The block read from ``key`` (into ``out`` when given), or why it was refused."""
-    metadata = {**expected_meta.to_metadata(), "key": key}
-    return decode_tensor(data, KV_TENSOR, metadata, expected_shape, dtype, out)
 
 
 def encode_encoder_output(tensor: torch.Tensor, meta: EncoderOutputMeta, key: str) -> bytes:
@@ -213,26 +172,39 @@ def decode_tensor(
     shape = tuple(int(s) for s in shape)
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype):
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, expected {shape} {dtype}")
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * dtype.itemsize
+    payload, reason = check_tensor(data, name, metadata, shape, dtype)
+    if payload is None:
+        return Decoded(None, reason)
+    out = out if out is not None else torch.empty(shape, dtype=dtype)
+    copy_payload(payload, out)
+    return Decoded(out)
+
+
+def check_tensor(
+    data: bytes | memoryview, name: str, metadata: dict[str, str], shape, dtype: torch.dtype
+) -> tuple[memoryview | None, str]:
+    """``(payload, "")``: a view of the tensor's bytes in ``data`` (nothing copied) when the
+    value is the one expected, whole, and matches its checksum; else ``(None, reason)``."""
+    shape = tuple(int(s) for s in shape)
+    nbytes = math.prod(shape) * dtype.itemsize
     try:
         offset = _check(data, name, metadata, shape, dtype, nbytes)
     except BadValue as exc:
-        return Decoded(None, exc.reason)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype)
-    if not nbytes:
-        return Decoded(out)
-    if out.device.type == "cpu" and out.is_contiguous():
-        # A plain memcpy: torch's copy_ splits >64K-element copies over OpenMP threads, which
-        # is slower than one core when the engine's own threads are busy.
-        dst = out.view(-1).view(torch.uint8).numpy()
-        np.copyto(dst, np.frombuffer(data, dtype=np.uint8, count=nbytes, offset=offset))
+        return None, exc.reason
+    return memoryview(data)[offset : offset + nbytes], ""
+
+
+def copy_payload(payload: memoryview, out: torch.Tensor) -> None:
+    """A checked payload into ``out`` (its shape and dtype). On the CPU, with ``out``'s last
+    dim contiguous, a plain (strided) memcpy: torch's ``copy_`` splits >64K-element copies
+    over OpenMP threads, which is slower than one core when the engine's threads are busy."""
+    if not out.numel():
+        return
+    if out.device.type == "cpu" and out.stride(-1) == 1:
+        dst = out.view(torch.uint8).numpy()
+        np.copyto(dst, np.frombuffer(payload, dtype=np.uint8).reshape(dst.shape))
     else:
-        out.copy_(torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).view(shape))
-    return Decoded(out)
+        out.copy_(torch.frombuffer(payload, dtype=out.dtype).view(out.shape))
 
 
 def _check(data, name, metadata, shape, dtype, nbytes) -> int:

@@ -10,8 +10,16 @@ _HEX = re.compile(r"[0-9a-f]{1,128}")
 _ITEM = re.compile(r"[^\s\x00-\x1f\x7f]{1,512}")
 
 
-def kv_key(pool: str, fingerprint: str, block_hash: bytes | int | str, group: int = 0) -> str:
-    """``epd:kv:{pool}:{fingerprint}:{block_hash_hex}``; hybrid groups > 0 append ``@g{n}``.
+def kv_key(
+    pool: str,
+    fingerprint: str,
+    block_hash: bytes | int | str,
+    group: int = 0,
+    heads: tuple[int, int] | None = None,
+) -> str:
+    """``epd:kv:{pool}:{fingerprint}:{block_hash_hex}``; hybrid groups > 0 append ``@g{n}``,
+    and a value holding only some of the block's KV heads (a tensor-parallel rank's slice)
+    ``@h{first}+{count}`` (the model's head numbers: every TP shape names a slice alike).
 
     ``block_hash`` may be bytes (hex-encoded), a non-negative int (lowercase hex, no
     padding) or an already lowercase-hex string; every pod must pass the same kind.
@@ -21,6 +29,11 @@ def kv_key(pool: str, fingerprint: str, block_hash: bytes | int | str, group: in
         if group < 0:
             raise ValueError(f"group must be >= 0, got {group}")
         key += f"@g{group}"
+    if heads is not None:
+        first, count = heads
+        if first < 0 or count < 1:
+            raise ValueError(f"heads must be (first >= 0, count >= 1), got {heads}")
+        key += f"@h{first}+{count}"
     return key
 
 

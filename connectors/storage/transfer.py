@@ -1,4 +1,5 @@
-"""Moves KV blocks and encoder outputs between tensors and a ``BlockStore``.
+"""Moves encoder outputs between tensors and a ``BlockStore`` (KV blocks: ``kv_io.py``),
+and what both share: host staging buffers, counters, and the accounting of refused values.
 
 This is the layer the engine's KV / encoder-cache connectors call: keys, codec and store
 in one place, with counters of what was loaded, missed and refused.
@@ -16,20 +17,18 @@ from epdserve.connectors.storage.base import BlockStore, Counters, ReasonCounts
 from epdserve.connectors.storage.codec import (
     Decoded,
     EncoderOutputMeta,
-    KVBlockMeta,
     decode_encoder_output,
-    decode_kv_block,
     encode_encoder_output,
-    encode_kv_block,
 )
-from epdserve.connectors.storage.keys import ec_key, kv_key
+from epdserve.connectors.storage.keys import ec_key
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class TransferStats(Counters):
-    """Counters of one transfer helper (``epdserve:kv_load_failures_total`` and friends)."""
+    """Counters of one transfer helper: encoder outputs, or KV blocks (a block counts once,
+    whatever the number of its values; ``rejected``: blocks with a value refused)."""
 
     saved: int = 0  # tensors stored
     save_failures: int = 0  # tensors the store could not take (see the store's stats for why)
@@ -78,7 +77,7 @@ class HostStaging:
             torch.index_select(cache, 0, index, out=host)
         else:
             host.copy_(cache.index_select(0, index), non_blocking=True)
-            _synchronize(cache.device)
+            synchronize(cache.device)
         return host
 
     def scatter(self, cache: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
@@ -88,84 +87,11 @@ class HostStaging:
         index = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
         cache.index_copy_(0, index, host.to(cache.device, non_blocking=True))
         if cache.device.type != "cpu":
-            _synchronize(cache.device)  # the caller's stream may differ (a loader thread)
+            synchronize(cache.device)  # the caller's stream may differ (a loader thread)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     torch.cuda.current_stream(device).synchronize()
-
-
-class KVBlockIO:
-    """Saves and loads whole blocks of a paged KV cache ``[num_blocks, *block_shape]``.
-
-    One instance per KV-cache group (``group`` > 0 only for hybrid models' extra groups).
-    A cache on an accelerator goes through pinned host staging buffers; a CPU cache is read
-    and written in place (no extra copy) unless ``staging=True`` asks for the staged path.
-    """
-
-    def __init__(
-        self,
-        store: BlockStore,
-        pool: str,
-        meta: KVBlockMeta,
-        group: int = 0,
-        staging: bool | None = None,
-    ):
-        self.store, self.pool, self.meta, self.group = store, pool, meta, group
-        self.stats = TransferStats()
-        self.rejections = ReasonCounts()  # values refused on load, by reason
-        self.staging = staging  # None: staged exactly when the cache is not on the CPU
-        self._out, self._in = HostStaging(), HostStaging()
-
-    def _staged(self, kv_cache: torch.Tensor) -> bool:
-        return self.staging if self.staging is not None else kv_cache.device.type != "cpu"
-
-    def key(self, block_hash: bytes | int | str) -> str:
-        return kv_key(self.pool, self.meta.fingerprint, block_hash, self.group)
-
-    def count_cached_prefix(self, block_hashes: Sequence[bytes | int | str]) -> int:
-        """How many leading blocks of the chain are in the store now (a later load may still
-        miss one: eviction, TTL, a fault)."""
-        found = self.store.exists_many([self.key(h) for h in block_hashes])
-        return next((i for i, ok in enumerate(found) if not ok), len(found))
-
-    def save(
-        self, kv_cache: torch.Tensor, block_ids: Sequence[int], block_hashes: Sequence
-    ) -> list[bool]:
-        """Store ``kv_cache[block_ids[i]]`` under ``block_hashes[i]``; per block, whether it was
-        stored. Reads the cache only (a device cache is staged to the host in one gather)."""
-        _check_pairs(block_ids, block_hashes)
-        blocks = kv_cache
-        if self._staged(kv_cache):
-            blocks, block_ids = self._out.gather(kv_cache, block_ids), range(len(block_ids))
-        items = []
-        for b, h in zip(block_ids, block_hashes, strict=True):
-            key = self.key(h)
-            items.append((key, encode_kv_block(blocks[b], self.meta, key)))
-        return _counted_put(self.store, self.stats, items)
-
-    def load(
-        self, kv_cache: torch.Tensor, block_ids: Sequence[int], block_hashes: Sequence
-    ) -> list[bool]:
-        """Copy each stored block into ``kv_cache[block_ids[i]]``; per block, whether it was
-        loaded. Mutates only the slots of loaded blocks (a miss leaves its slot untouched)."""
-        _check_pairs(block_ids, block_hashes)
-        keys = [self.key(h) for h in block_hashes]
-        values = self.store.get_many(keys)
-        shape, reasons = tuple(kv_cache.shape[1:]), []
-        staged = self._staged(kv_cache)
-        host = self._in.rows(len(block_ids), kv_cache) if staged else None
-        for i, (block_id, key, value) in enumerate(zip(block_ids, keys, values, strict=True)):
-            out = host[i] if staged else kv_cache[block_id]
-            decoded = _decode(decode_kv_block, value, self.meta, shape, kv_cache.dtype, key, out)
-            reasons.append(decoded.reason if decoded is not None else "")
-        loaded = [v is not None and not r for v, r in zip(values, reasons, strict=True)]
-        if staged:  # only the loaded blocks reach the cache
-            rows = [i for i, ok in enumerate(loaded) if ok]
-            index = torch.as_tensor(rows, dtype=torch.int64)
-            self._in.scatter(kv_cache, [block_ids[i] for i in rows], host.index_select(0, index))
-        _account_load(self.store, self.stats, self.rejections, "KV block", keys, values, reasons)
-        return loaded
 
 
 class EncoderOutputIO:
@@ -190,7 +116,9 @@ class EncoderOutputIO:
         for mm_id, tensor in outputs:
             key = self.key(mm_id)
             items.append((key, encode_encoder_output(tensor, self.meta, key)))
-        return _counted_put(self.store, self.stats, items)
+        done = self.store.put_many(items)
+        self.stats.add(saved=sum(done), save_failures=len(done) - sum(done))
+        return done
 
     def load(
         self,
@@ -208,50 +136,39 @@ class EncoderOutputIO:
         values = self.store.get_many(keys)
         result, reasons = [], []
         for key, value, shape, out in zip(keys, values, shapes, outs, strict=True):
-            decoded = _decode(decode_encoder_output, value, self.meta, shape, dtype, key, out)
+            decoded = decode_value(decode_encoder_output, value, self.meta, shape, dtype, key, out)
             result.append(decoded.tensor if decoded is not None else None)
             reasons.append(decoded.reason if decoded is not None else "")
-        _account_load(
-            self.store, self.stats, self.rejections, "encoder output", keys, values, reasons
+        bad, present = sum(bool(r) for r in reasons), sum(v is not None for v in values)
+        self.stats.add(
+            lookups=len(values), loaded=present - bad, misses=len(values) - present, rejected=bad
         )
+        account_load(self.store, self.rejections, "encoder output", keys, reasons)
         return result
 
 
-def _check_pairs(block_ids: Sequence[int], block_hashes: Sequence) -> None:
+def check_pairs(block_ids: Sequence[int], block_hashes: Sequence) -> None:
     if len(block_ids) != len(block_hashes):
         raise ValueError(f"{len(block_ids)} block_ids but {len(block_hashes)} block_hashes")
 
 
-def _counted_put(store: BlockStore, stats: TransferStats, items) -> list[bool]:
-    done = store.put_many(items)
-    stats.add(saved=sum(done), save_failures=len(done) - sum(done))
-    return done
-
-
-def _decode(decode, value, meta, shape, dtype, key: str, out) -> Decoded | None:
+def decode_value(decode, value, meta, shape, dtype, key: str, out, **checks) -> Decoded | None:
     """``value`` decoded (``None`` when there was none). Never raises because of the value:
     the destination was checked by the caller, so a codec error is a bug, counted as a
     refusal like any other."""
     if value is None:
         return None
     try:
-        return decode(value, meta, shape, dtype, key, out=out)
+        return decode(value, meta, shape, dtype, key, out=out, **checks)
     except Exception:
         logger.exception("decoding the stored value of %s failed", key)
         return Decoded(None, DECODE_ERROR)
 
 
-def _account_load(store, stats, rejections, what: str, keys, values, reasons) -> None:
-    """Count a load; delete the values it refused, so no reader fetches them again (the next
-    producer's save stores a good one)."""
+def account_load(store, rejections, what: str, keys, reasons) -> None:
+    """Count the values a load refused, by reason, and delete them, so no reader fetches them
+    again (the next producer's save stores a good one)."""
     bad = [(k, r) for k, r in zip(keys, reasons, strict=True) if r]
-    present = sum(v is not None for v in values)
-    stats.add(
-        lookups=len(values),
-        loaded=present - len(bad),
-        misses=len(values) - present,
-        rejected=len(bad),
-    )
     if not bad:
         return
     rejections.add(r for _, r in bad)

@@ -3,9 +3,11 @@
 State machine of a request whose prefix a connector loads (vLLM v1's async-load path):
 ``WAITING`` → lookup finds ``n`` external tokens → blocks allocated (not yet named in the
 prefix cache) → ``WAITING_FOR_REMOTE_KVS`` while the worker loads → the load reports done →
-only the blocks before the first one that failed are credited (``num_computed_tokens``) and
-cached → ``WAITING`` at the head of the queue → scheduled to compute the rest. A failed
-block is thus recomputed before any forward reads it, and outputs stay token-exact.
+only the blocks before the first one that failed are credited (``num_computed_tokens``; the
+last block may be credited in part: a prompt's partial last block, or a full one holding the
+prompt's last token) and the full ones cached → ``WAITING`` at the head of the queue →
+scheduled to compute the rest. A failed block is thus recomputed before any forward reads
+it, and outputs stay token-exact.
 
 Saves are asked for right after the forward that fills a prompt block; a request that
 finishes (or is preempted) while its saves run keeps its blocks until the worker reports
@@ -135,12 +137,14 @@ class KVTransferCoordinator:
         request, n_ext = entry
         bs = self.kv.block_size
         first = request.num_computed_tokens // bs
-        block_ids = self.kv.get_block_ids(req_id)[first : first + n_ext // bs]
+        last = -(-(request.num_computed_tokens + n_ext) // bs)  # the last may be partly loaded
+        block_ids = self.kv.get_block_ids(req_id)[first:last]
         valid = next((i for i, b in enumerate(block_ids) if b in invalid), len(block_ids))
-        request.num_computed_tokens += valid * bs
-        request.num_external_computed_tokens = valid * bs
-        self.kv.cache_blocks(request, request.num_computed_tokens)
-        self.hits += valid * bs
+        credited = min(valid * bs, n_ext)
+        request.num_computed_tokens += credited
+        request.num_external_computed_tokens = credited
+        self.kv.cache_blocks(request, request.num_computed_tokens)  # full blocks only
+        self.hits += credited
         self.load_failures += len(block_ids) - valid
         request.status = RequestStatus.WAITING
         return request

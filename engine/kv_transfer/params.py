@@ -18,6 +18,9 @@ class KVTransferParams(msgspec.Struct, forbid_unknown_fields=False, omit_default
     do_remote_prefill: bool = False  # to a decode pod: a prefill pod saved these blocks
     block_hashes: Annotated[list[HexHash], msgspec.Meta(max_length=MAX_BLOCKS)] = []
     num_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    tail_hash: HexHash | None = None  # the prompt's partial last block, saved too
+    # KV heads per stored value, as the prefill pod's ranks cut its blocks (its TP shape)
+    kv_heads_per_value: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] | None = None
     pool: str | None = None
     fingerprint: str | None = None
     kv_connector: str | None = None

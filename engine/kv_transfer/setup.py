@@ -12,7 +12,8 @@ from pathlib import Path
 
 from epdserve.connectors.ec_connector import ECConnector, create_ec_connector
 from epdserve.connectors.storage import fingerprint
-from epdserve.connectors.storage.codec import FORMAT_VERSION, KV_LAYOUT
+from epdserve.connectors.storage.codec import FORMAT_VERSION
+from epdserve.connectors.storage.kv_codec import KV_FORMAT_VERSION, KV_LAYOUT
 from epdserve.engine.config import EngineConfig
 
 log = logging.getLogger("epdserve.kv_transfer")
@@ -67,7 +68,8 @@ def model_fingerprint(
     """Identifies model (its ``weights_digest``) + dtype + layout + block size + hash
     algorithm + stored format, so blocks of other models (or of the same model in another
     geometry) are never shared, and pods of two format versions (a rolling upgrade) never
-    read, refuse and delete each other's values."""
+    read, refuse and delete each other's values. ``block_shape`` is the whole model's (every
+    KV head): pods of any tensor-parallel size share one fingerprint."""
     return fingerprint(
         digest,
         dtype,
@@ -75,7 +77,7 @@ def model_fingerprint(
         tuple(block_shape),
         block_size,
         hash_algo,
-        f"format-v{FORMAT_VERSION}",
+        f"format-v{KV_FORMAT_VERSION}",
     )
 
 

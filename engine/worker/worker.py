@@ -78,7 +78,7 @@ class Worker:
         if self.tp.is_output:  # images are encoded, loaded and stored by the output rank
             self.vision_encoder = load_vision_encoder(cfg.model, self.dtype, self.device)
             self.ec_connector = encoder_connector_worker(cfg)
-        self.kv_connector = kv_connector_half(cfg, model_cfg, KVConnectorRole.WORKER)
+        self.kv_connector = kv_connector_half(cfg, model_cfg, KVConnectorRole.WORKER, self.tp)
         if cfg.enable_lora:
             shard = Shard(self.rank, size)
             self.lora = LoRASlots(

@@ -60,7 +60,7 @@ def test_the_decode_engine_loads_only_the_same_adapters_blocks_and_matches_coloc
     assert decode(decoder, None)[1] == 0
     assert decode(decoder, loras[1])[1] == 0
     tokens, loaded = decode(decoder, loras[0])
-    assert loaded == 48
+    assert loaded == 49  # 3 full blocks and the 2-token tail, but the last token
     colocated = LLM(path, dtype="float32", block_size=16, enable_lora=True)
     want = colocated.generate({"prompt_token_ids": PROMPT}, GREEDY, lora_request=loras[0])[0]
     assert tokens == want.outputs[0].token_ids

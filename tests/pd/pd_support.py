@@ -109,8 +109,19 @@ def answer(response: dict) -> tuple[str, list[str]]:
 
 
 def loadable_tokens(prompt: list[int]) -> int:
-    """Tokens of whole blocks a decode pod may load: never the prompt's last token."""
-    return (len(prompt) - 1) // BLOCK * BLOCK
+    """Tokens a decode pod loads of a handed-over prompt: every one but the last (it computes
+    that one to sample the first token), the partial last block's included."""
+    return len(prompt) - 1
+
+
+def loadable_blocks(prompt: list[int]) -> int:
+    """Blocks that hold them: the full ones, and the partial last one (its tail)."""
+    return -(-(len(prompt) - 1) // BLOCK)
+
+
+def loaded_tokens(prompt: list[int], num_blocks: int) -> int:
+    """Tokens the first ``num_blocks`` loadable blocks give a decode pod."""
+    return min(num_blocks * BLOCK, loadable_tokens(prompt))
 
 
 def engine_core(path, role: str | None = None, volume=None, **extra):

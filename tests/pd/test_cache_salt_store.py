@@ -68,4 +68,4 @@ def test_a_prompt_under_another_salt_loads_nothing_from_the_store(engines):
 
 
 def test_a_prompt_under_the_same_salt_loads_its_blocks_from_the_store(engines):
-    assert loaded_tokens(engines, "a") == 48
+    assert loaded_tokens(engines, "a") == 49  # 3 full blocks and the tail, but the last token

@@ -10,9 +10,18 @@ import time
 
 import redis
 import torch
-from pd_support import BLOCK, answer, greedy, loadable_tokens, post, prompts
+from pd_support import (
+    BLOCK,
+    answer,
+    greedy,
+    loadable_blocks,
+    loadable_tokens,
+    loaded_tokens,
+    post,
+    prompts,
+)
 
-from epdserve.connectors.storage import KVBlockMeta, encode_kv_block
+from epdserve.connectors.storage import KVBlockMeta, KVPart, encode_kv_block
 
 FAILURES = "epdserve:kv_load_failures_total"
 HITS = "vllm:external_prefix_cache_hits_total"
@@ -32,10 +41,11 @@ def assert_recomputed(pods, colocated, prompt, params, num_loaded: int) -> None:
     failures0, hits0 = pods.decode.metric(FAILURES), pods.decode.metric(HITS)
     got = decode(pods, prompt, params)
     assert answer(got) == answer(post(colocated, greedy(prompt)))
-    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == num_loaded * BLOCK
-    expected_failures = loadable_tokens(prompt) // BLOCK - num_loaded
+    loaded = loaded_tokens(prompt, num_loaded)
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
+    expected_failures = loadable_blocks(prompt) - num_loaded
     assert pods.decode.metric(FAILURES) - failures0 == expected_failures
-    assert pods.decode.metric(HITS) - hits0 == num_loaded * BLOCK
+    assert pods.decode.metric(HITS) - hits0 == loaded
 
 
 def stored_key(params: dict, index: int) -> str:
@@ -54,9 +64,9 @@ def test_a_block_of_another_model_is_a_miss(redis_pods, redis_url, colocated):
     prompt = prompts(seed=22, lengths=(100,))[0]
     params = prefill(redis_pods, prompt)
     client = redis.Redis.from_url(redis_url)
-    other = KVBlockMeta("another-model", BLOCK, "sha256_cbor")
+    other = KVBlockMeta("another-model", BLOCK, "sha256_cbor", 2)
     key = stored_key(params, 0)
-    value = encode_kv_block(torch.zeros(4, 2, BLOCK, 2, 32), other, key)  # same geometry
+    value = encode_kv_block(torch.zeros(4, 2, BLOCK, 2, 32), other, key, KVPart(0, 2))
     client.set(key, value)
     assert_recomputed(redis_pods, colocated, prompt, params, num_loaded=0)
 
@@ -112,7 +122,7 @@ def test_a_read_only_volume_still_serves_stored_blocks_and_recomputes_the_rest(
         fresh_params = prefill(shared_pods, fresh)  # its saves fail softly, counted
         assert shared_pods.prefill.metric("epdserve:kv_save_failures_total") > save_failures
         assert_recomputed(shared_pods, colocated, fresh, fresh_params, num_loaded=0)
-        loaded = loadable_tokens(stored) // BLOCK
+        loaded = loadable_blocks(stored)
         assert_recomputed(shared_pods, colocated, stored, stored_params, num_loaded=loaded)
     finally:
         undo()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pd_support import BLOCK, answer, greedy, loadable_tokens, post, prompts
+from pd_support import BLOCK, answer, greedy, loadable_blocks, post, prompts
 
 from epdserve.common import metrics_text
 from epdserve.connectors.storage import create_store
@@ -51,8 +51,8 @@ def test_damaged_blocks_are_recomputed_deleted_and_counted(pool, colocated, dama
     body = {**greedy(prompt, 1), "kv_transfer_params": {"do_remote_decode": True}}
     params = post(pods.prefill, body)["kv_transfer_params"]
     keys = [f"epd:kv:{params['pool']}:{params['fingerprint']}:{h}" for h in params["block_hashes"]]
-    loadable = loadable_tokens(prompt) // BLOCK
-    assert loadable == 6 and all(raw.exists(k) for k in keys[:loadable])
+    loadable = len(prompt) // BLOCK  # full blocks (the tail's value follows them)
+    assert loadable == 6 and loadable_blocks(prompt) == 7 and all(map(raw.exists, keys))
     bad = damage(raw, keys)
     reasons = sorted(set(bad.values()))
     before = {r: rejected(pods.decode, r) for r in reasons}
@@ -63,7 +63,7 @@ def test_damaged_blocks_are_recomputed_deleted_and_counted(pool, colocated, dama
     assert answer(got) == answer(post(colocated, greedy(prompt)))
     first_bad = min(bad)
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == first_bad * BLOCK
-    assert pods.decode.metric(FAILURES) - failures0 == loadable - first_bad
+    assert pods.decode.metric(FAILURES) - failures0 == loadable_blocks(prompt) - first_bad
     for reason in reasons:
         counted = sum(r == reason for r in bad.values())
         assert rejected(pods.decode, reason) - before[reason] == counted, reason

@@ -10,7 +10,7 @@ BACKENDS = ("redis_pods", "shared_pods")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_decode_pod_answers_like_a_colocated_pod_and_loads_every_full_block(
+def test_decode_pod_answers_like_a_colocated_pod_and_loads_all_but_the_last_token(
     request, backend, colocated
 ):
     pods = request.getfixturevalue(backend)
@@ -26,13 +26,14 @@ def test_decode_pod_answers_like_a_colocated_pod_and_loads_every_full_block(
         assert second["kv_transfer_params"] is None
         hashes = first["kv_transfer_params"]["block_hashes"]
         assert len(hashes) == len(prompt) // 16
+        assert ("tail_hash" in first["kv_transfer_params"]) == (len(prompt) % 16 >= 2)
         # the loaded blocks count as computed: no prefill compute for them on the decode pod
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == loadable_tokens(prompt)
         expected_hits += loadable_tokens(prompt)
         expected_computed += len(prompt) - loadable_tokens(prompt)
     hits = pods.decode.metric("vllm:external_prefix_cache_hits_total") - hits0
     assert hits == expected_hits
-    # vLLM's prompt-token sources: the decode pod computed only the tail after the last block
+    # vLLM's prompt-token sources: the decode pod computed only each prompt's last token
     assert source_tokens(pods.decode, "local_compute") - computed0 == expected_computed
     assert source_tokens(pods.decode, "external_kv_transfer") - external0 == expected_hits
     assert pods.decode.metric("epdserve:kv_load_failures_total") == failures0
@@ -71,7 +72,7 @@ def test_streaming_from_the_decode_pod_matches_the_colocated_answer(redis_pods, 
 def test_a_prefill_pod_answers_with_kv_transfer_params_even_unasked(redis_pods):
     prompt = prompts(seed=12, lengths=(50,))[0]
     body = post(redis_pods.prefill, greedy(prompt, 1))
-    assert body["kv_transfer_params"]["num_tokens"] == 48
+    assert body["kv_transfer_params"]["num_tokens"] == 50  # 3 full blocks and a 2-token tail
     assert body["kv_transfer_params"]["pool"] == "default"
 
 

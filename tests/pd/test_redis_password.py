@@ -11,7 +11,7 @@ from epdserve.connectors.kv_connector import (
     RedisConnector,
 )
 
-LAYOUT = KVLayout("fp-test", 4, "sha256_cbor")
+LAYOUT = KVLayout("fp-test", 4, "sha256_cbor", 2)
 
 
 def test_the_password_comes_from_the_environment(redis_url, monkeypatch):

@@ -33,7 +33,7 @@ from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
 from epdserve.engine.sampling_params import SamplingParams
 
 BS, NUM_BLOCKS = 4, 16
-LAYOUT = KVLayout("fp-test", BS, "sha256_cbor")
+LAYOUT = KVLayout("fp-test", BS, "sha256_cbor", 2)
 CACHE_SHAPE = (NUM_BLOCKS, 2, 2, BS, 2, 8)
 
 

@@ -52,7 +52,7 @@ def test_saved_blocks_are_indexed_in_the_store_tier(models, tmp_path):
 
 
 BS = 4
-LAYOUT = KVLayout("fp-test", BS, "sha256_cbor")
+LAYOUT = KVLayout("fp-test", BS, "sha256_cbor", 2)
 CACHE_SHAPE = (8, 2, 2, BS, 2, 8)
 
 

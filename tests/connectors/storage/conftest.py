@@ -20,7 +20,9 @@ from epdserve.connectors.storage import (
 )
 
 BACKENDS = ("redis", "shared_storage")
-META = KVBlockMeta(fingerprint="tiny-llama-0123", block_size=4, hash_algo="sha256_cbor")
+META = KVBlockMeta(
+    fingerprint="tiny-llama-0123", block_size=4, hash_algo="sha256_cbor", num_kv_heads=2
+)
 # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
 CACHE_SHAPE = (8, 2, 2, 4, 2, 8)
 

@@ -118,7 +118,7 @@ def not_safetensors(raw, keys):
 
 
 def older_format(raw, keys):
-    meta = KVBlockMeta("tiny-llama-0123", 4, "sha256_cbor", version=1)
+    meta = KVBlockMeta("tiny-llama-0123", 4, "sha256_cbor", 2, version=1)
     raw.set(keys[1], encode_kv_block(torch.zeros(2, 2, 4, 2, 8), meta, keys[1]))
     return {1: "format"}
 

@@ -54,7 +54,7 @@ def test_encoded_bytes_are_standard_safetensors_with_the_metadata(meta, make_cac
     checksum = payload_checksum(block.contiguous().view(-1).view(torch.uint8).numpy())
     assert checksum.startswith("xxh3_128:") and len(checksum) == len("xxh3_128:") + 32
     assert stored == {**meta.to_metadata(), "dtype": "bfloat16", "key": KEY, "checksum": checksum}
-    assert stored["version"] == "2"
+    assert stored["version"] == "3"
 
 
 def test_bytes_written_by_safetensors_itself_decode(meta, make_cache):
@@ -68,10 +68,11 @@ def test_bytes_written_by_safetensors_itself_decode(meta, make_cache):
 @pytest.mark.parametrize(
     "other",
     [
-        KVBlockMeta("other-model", 4, "sha256_cbor"),
-        KVBlockMeta("tiny-llama-0123", 16, "sha256_cbor"),
-        KVBlockMeta("tiny-llama-0123", 4, "xxhash_cbor"),
-        KVBlockMeta("tiny-llama-0123", 4, "sha256_cbor", layout="kv,layer,token,head,dim"),
+        KVBlockMeta("other-model", 4, "sha256_cbor", 2),
+        KVBlockMeta("tiny-llama-0123", 16, "sha256_cbor", 2),
+        KVBlockMeta("tiny-llama-0123", 4, "xxhash_cbor", 2),
+        KVBlockMeta("tiny-llama-0123", 4, "sha256_cbor", 4),  # another model's head count
+        KVBlockMeta("tiny-llama-0123", 4, "sha256_cbor", 2, layout="kv,layer,token,head,dim"),
     ],
 )
 def test_a_metadata_mismatch_is_a_miss(other, meta, make_cache):
@@ -79,9 +80,11 @@ def test_a_metadata_mismatch_is_a_miss(other, meta, make_cache):
     assert decode_kv_block(data, meta, BLOCK, torch.float32, KEY) == (None, "metadata")
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version", [1, 2, 4])
 def test_another_format_version_is_a_miss(version, meta, make_cache):
-    other = KVBlockMeta(meta.fingerprint, meta.block_size, meta.hash_algo, version=version)
+    other = KVBlockMeta(
+        meta.fingerprint, meta.block_size, meta.hash_algo, meta.num_kv_heads, version=version
+    )
     data = encode_kv_block(make_cache()[0], other, KEY)
     assert decode_kv_block(data, meta, BLOCK, torch.float32, KEY) == (None, "format")
 
@@ -122,6 +125,8 @@ def test_keys_follow_the_design_scheme():
     assert kv_key("pool-a", "fp1", bytes([0xAB, 0x01])) == "epd:kv:pool-a:fp1:ab01"
     assert kv_key("pool-a", "fp1", 255) == "epd:kv:pool-a:fp1:ff"
     assert kv_key("pool-a", "fp1", "00ff", group=1) == "epd:kv:pool-a:fp1:00ff@g1"
+    assert kv_key("pool-a", "fp1", "00ff", heads=(4, 4)) == "epd:kv:pool-a:fp1:00ff@h4+4"
+    assert kv_key("pool-a", "fp1", "ff", group=1, heads=(0, 1)) == "epd:kv:pool-a:fp1:ff@g1@h0+1"
     assert ec_key("pool-a", "fp1", "b3:deadbeef") == "epd:ec:pool-a:fp1:b3:deadbeef"
     assert fingerprint("m", 1) == fingerprint("m", "1") != fingerprint("m", 2)
 

@@ -53,7 +53,7 @@ def test_missing_keys_are_misses_and_leave_slots_untouched(store, meta, make_cac
 
 
 def test_a_block_stored_with_other_metadata_is_a_miss(store, meta, make_cache):
-    other = KVBlockMeta(meta.fingerprint, meta.block_size, "xxhash_cbor")  # same key
+    other = KVBlockMeta(meta.fingerprint, meta.block_size, "xxhash_cbor", 2)  # same key
     KVBlockIO(store, "pool", other).save(make_cache(), [1], HASHES[:1])
     io = KVBlockIO(store, "pool", meta)
     assert io.load(torch.zeros(make_cache().shape), [1], HASHES[:1]) == [False]
@@ -62,9 +62,9 @@ def test_a_block_stored_with_other_metadata_is_a_miss(store, meta, make_cache):
 
 
 @pytest.mark.parametrize(
-    "shape,dtype", [((8, 2, 2, 4, 1, 8), torch.float32), (None, torch.bfloat16)]
+    "shape,dtype", [((8, 2, 2, 4, 2, 4), torch.float32), (None, torch.bfloat16)]
 )
-def test_a_block_of_another_shape_or_dtype_is_a_miss(store, meta, make_cache, shape, dtype):
+def test_a_block_of_another_head_size_or_dtype_is_a_miss(store, meta, make_cache, shape, dtype):
     io = KVBlockIO(store, "pool", meta)
     io.save(make_cache(), [1], HASHES[:1])
     assert io.load(torch.zeros(shape or make_cache().shape, dtype=dtype), [1], HASHES[:1]) == [

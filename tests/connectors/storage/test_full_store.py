@@ -20,7 +20,7 @@ from epdserve.connectors.kv_connector import (
     SharedStorageConnector,
 )
 
-LAYOUT = KVLayout("fp-full", 4, "sha256_cbor")
+LAYOUT = KVLayout("fp-full", 4, "sha256_cbor", 2)
 HASHES = [bytes([i]) * 32 for i in range(1, 5)]
 BLOCK_IDS = [1, 2, 3, 4]
 VALUE = b"x" * (16 << 10)
