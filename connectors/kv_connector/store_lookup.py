@@ -3,8 +3,8 @@ cut: looked up off the step loop, or trusted from a prefill pod's ``kv_transfer_
 
 Each rank of a pod stores one value per block holding its KV heads, so pods of different TP
 sizes cut blocks differently (``part_heads``: KV heads per value). A lookup asks for this pod's
-own cut first (one round trip: a pool of one TP shape never needs more) and only when that
-does not hold the whole chain for every other cut, in one more round trip.
+own cut first (one round trip: all a pool of one TP shape needs on a hit) and only when that
+does not hold the whole chain asks the other cuts.
 """
 
 from __future__ import annotations
@@ -28,11 +28,17 @@ def part_sizes(num_kv_heads: int) -> list[int]:
 
 def look_up(kv_io: KVBlockIO, hashes: list[bytes], own: int) -> Found:
     """The longest run of the chain's leading blocks stored whole under one cut: this pod's
-    ``own`` when it holds the whole chain, else the longest of any (``own`` on a tie)."""
+    ``own`` when it holds the whole chain, else the longest of any (``own`` on a tie). Another
+    cut can only run longer if it holds the first block ``own`` lacks: that block is asked
+    for first (a miss in a pool of one TP shape costs this one small round trip more)."""
     best = Found(kv_io.count_cached_prefixes(hashes, [own])[0], own)
     if best.count == len(hashes):
         return best
     others = [g for g in part_sizes(kv_io.meta.num_kv_heads) if g != own]
+    probe = kv_io.count_cached_prefixes(hashes[best.count : best.count + 1], others)
+    others = [g for g, found in zip(others, probe, strict=True) if found]
+    if not others:
+        return best
     for g, count in zip(others, kv_io.count_cached_prefixes(hashes, others), strict=True):
         if count > best.count:
             best = Found(count, g)

@@ -35,8 +35,9 @@ def store(tmp_path):
     s.close()
 
 
-def rank_io(store, rank: int, size: int, meta=META) -> KVBlockIO:
-    return KVBlockIO(store, "pool", meta, heads=kv_head_slice(meta.num_kv_heads, rank, size))
+def rank_io(store, rank: int, size: int, meta=META, staging=None) -> KVBlockIO:
+    heads = kv_head_slice(meta.num_kv_heads, rank, size)
+    return KVBlockIO(store, "pool", meta, staging=staging, heads=heads)
 
 
 def rank_cache(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -52,10 +53,13 @@ def header(store, key: str) -> dict:
     return json.loads(data[8 : 8 + size])
 
 
-def test_a_tp2_pods_ranks_write_their_halves_and_a_tp1_pod_reads_both(store):
+# staged: the pinned-host path a device cache takes, run on CPU
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_a_tp2_pods_ranks_write_their_halves_and_a_tp1_pod_reads_both(store, staged):
     full = torch.randn(FULL)
     for rank in (0, 1):
-        assert rank_io(store, rank, 2).save(rank_cache(full, rank, 2), IDS, HASHES) == [True] * 3
+        io = rank_io(store, rank, 2, staging=staged)
+        assert io.save(rank_cache(full, rank, 2), IDS, HASHES) == [True] * 3
     assert store.stats.puts == 6  # one value per block and rank
     key = rank_io(store, 1, 2).key(HASHES[0])
     assert key.endswith("@h1+1")
@@ -68,7 +72,7 @@ def test_a_tp2_pods_ranks_write_their_halves_and_a_tp1_pod_reads_both(store):
         1,
         8,
     ]
-    reader = rank_io(store, 0, 1)
+    reader = rank_io(store, 0, 1, staging=staged)
     assert reader.count_cached_prefix(HASHES) == 0  # not cut as a TP 1 pod cuts them ...
     assert reader.count_cached_prefix(HASHES, part_heads=1) == 3  # ... but all there
     dest = torch.zeros(FULL)
@@ -76,16 +80,34 @@ def test_a_tp2_pods_ranks_write_their_halves_and_a_tp1_pod_reads_both(store):
     assert torch.equal(dest[5:8], full[1:4]) and dest[:5].count_nonzero() == 0
 
 
-def test_each_rank_of_a_tp2_pod_takes_its_heads_from_a_tp1_pods_whole_blocks(store):
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_each_rank_of_a_tp2_pod_takes_its_heads_from_a_tp1_pods_whole_blocks(store, staged):
     full = torch.randn(FULL)
     assert rank_io(store, 0, 1).save(full, IDS, HASHES) == [True] * 3
     assert store.stats.puts == 3 and rank_io(store, 0, 1).key(HASHES[0]).endswith(HASHES[0].hex())
     for rank in (0, 1):
         dest = torch.zeros(rank_cache(full, rank, 2).shape)
         gets = store.stats.gets
-        assert rank_io(store, rank, 2).load(dest, IDS, HASHES, part_heads=2) == [True] * 3
+        io = rank_io(store, rank, 2, staging=staged)
+        assert io.load(dest, IDS, HASHES, part_heads=2) == [True] * 3
         assert store.stats.gets - gets == 3  # the one whole-block value per block
         assert torch.equal(dest[1:4], rank_cache(full, rank, 2)[1:4])
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_a_partial_tail_block_moves_its_tokens_only(store, staged):
+    full = torch.randn(FULL)
+    for rank in (0, 1):
+        io = rank_io(store, rank, 2, staging=staged)
+        assert io.save(rank_cache(full, rank, 2), IDS, HASHES, tail_tokens=3) == [True] * 3
+    [value] = store.get_many([rank_io(store, 0, 2).key(HASHES[2])])
+    assert b'"shape":[2,2,3,1,8]' in value  # the tail's 3 tokens, not the block's 4
+    dest = torch.zeros(FULL)
+    reader = rank_io(store, 0, 1, staging=staged)
+    assert reader.load(dest, [5, 6, 7], HASHES, tail_tokens=3, part_heads=1) == [True] * 3
+    assert torch.equal(dest[5:7], full[1:3])
+    assert torch.equal(dest[7, :, :, :3], full[3, :, :, :3])
+    assert dest[7, :, :, 3:].count_nonzero() == 0  # the slots past the tail stay untouched
 
 
 def test_replicated_heads_are_stored_once_and_every_replica_loads_them(store):
@@ -155,7 +177,9 @@ def test_a_lookup_tries_its_own_cut_first_and_then_every_other_in_one_more_round
     assert look_up(tp1, HASHES[:1], own=2) == Found(1, 2)  # its own: one round trip
     assert calls == [1]
     assert look_up(tp1, HASHES, own=2) == Found(2, 1)  # the TP 2 cut runs longer
-    assert calls == [1, 3, 6]  # own (3 blocks x 1 value), then the other cut (3 x 2)
+    # own (3 blocks x 1 value), the other cut's block 1 (2 values), then its chain (3 x 2)
+    assert calls == [1, 3, 2, 6]
+    assert look_up(tp1, [bytes(32)] * 2, own=2) == Found(0, 2) and calls[4:] == [2, 2]
 
 
 def test_every_tp_shape_names_blocks_by_the_same_fingerprint(models, tmp_path):
