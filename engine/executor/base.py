@@ -93,8 +93,8 @@ def create_executor(config: EngineConfig, backend: str | None = None) -> Executo
     rank. A tensor-parallel size the model cannot be split by is refused before any rank
     starts, naming the flag."""
     backend = backend or config.distributed_executor_backend or "uni"
-    check_tensor_parallel(load_model_config(config.model), config.tensor_parallel_size)
     if backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {sorted(EXECUTOR_BACKENDS)}")
+    check_tensor_parallel(load_model_config(config.model), config.tensor_parallel_size)
     module, name = EXECUTOR_BACKENDS[backend].split(":")
     return getattr(importlib.import_module(module), name)(config)
