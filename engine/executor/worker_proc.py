@@ -63,11 +63,15 @@ def serve(start: RankStart, handshake_fd: int) -> None:
     config = decode_config(start.config)
     worker = Worker(config, start.rank, start.init_method)
     try:
-        last = time.monotonic()
-        while True:  # between steps of a busy engine poll closely, when idle sleep longer
-            calls.max_sleep = SLEEP_BUSY if time.monotonic() - last < BUSY_FOR_S else SLEEP_MAX
+        last = waited = time.monotonic()
+        while True:  # between steps of a busy engine poll closely (in proportion to the last
+            # gap: wake-ups take time from the core on the same cores), when idle sleep longer
+            idle = time.monotonic() - last >= BUSY_FOR_S
+            calls.max_sleep = SLEEP_MAX if idle else min(SLEEP_MAX, max(SLEEP_BUSY / 2, waited / 4))
+            asked = time.monotonic()
             call = _decode_call.decode(calls.read(timeout=None))
             last = time.monotonic()
+            waited = last - asked
             reply = RankReply(start.rank)
             try:
                 args = msgspec.msgpack.decode(call.args, type=SIGNATURES[call.method][0])
