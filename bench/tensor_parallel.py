@@ -135,17 +135,9 @@ def allreduce_rank(rank: int, init: str, hidden: int, rows: list[int], n: int) -
     os.sched_setaffinity(0, [rank % os.cpu_count()])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    from epdserve.engine.worker.shm_collectives import ShmCollectives
+    from epdserve.engine.worker.parallel import join_shm_collectives
 
-    shm = ShmCollectives(rank, 2, f"epdserve-bench-{init.rsplit(':', 1)[1]}", 4 << 20, 60.0)
-    if rank == 0:
-        shm.create()
-    dist.barrier()
-    if rank:
-        shm.attach()
-    dist.barrier()
-    if rank == 0:
-        shm.unlink()
+    shm = join_shm_collectives(rank, 2, f"epdserve-bench-{init.rsplit(':', 1)[1]}", 60.0)
     out: dict[str, dict] = {"gloo": {}, "shm": {}}
     for kind, reduce in (("gloo", dist.all_reduce), ("shm", shm.all_reduce)):
         for r in rows:

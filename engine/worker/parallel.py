@@ -99,13 +99,22 @@ def init_tp_group(
     if device.type == "cpu" and os.environ.get("EPDSERVE_SHM_COLLECTIVES", "1") != "0":
         port = init_method.rsplit(":", 1)[-1]
         name = f"epdserve-tp-{os.getppid()}-{port}"  # the ranks share their parent, the core
-        shm = ShmCollectives(rank, size, name, SHM_SLOT_BYTES, timeout_s)
-        if rank == 0:
-            shm.create()
-        dist.barrier()
-        if rank:
-            shm.attach()
-        dist.barrier()
-        if rank == 0:
-            shm.unlink()  # mapped by every rank: the name is no longer needed
+        shm = join_shm_collectives(rank, size, name, timeout_s)
     return TPGroup(rank, size, shm)
+
+
+def join_shm_collectives(
+    rank: int, size: int, name: str, timeout_s: float, slot_bytes: int = SHM_SLOT_BYTES
+) -> ShmCollectives:
+    """Every rank of the (initialized) process group maps segment ``name``: rank 0 creates
+    it, the others attach after a barrier, and rank 0 unlinks the name once all have."""
+    shm = ShmCollectives(rank, size, name, slot_bytes, timeout_s)
+    if rank == 0:
+        shm.create()
+    dist.barrier()
+    if rank:
+        shm.attach()
+    dist.barrier()
+    if rank == 0:
+        shm.unlink()  # mapped by every rank: the name is no longer needed
+    return shm
