@@ -7,17 +7,17 @@ MODEL  ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test test-slow install redis cc prometheus lint format clean
+.PHONY: run test test-slow install redis cc prometheus k8s-tools lint format clean
 
 run: $(STAMP) redis cc
 	$(BIN)/epdserve up $(if $(MODEL),--model $(MODEL)) --host 127.0.0.1 --port 8000 $(UP_ARGS)
 
-test: $(STAMP) redis cc prometheus lint
+test: $(STAMP) redis cc prometheus k8s-tools lint
 	$(BIN)/python -m pytest
 
 # The tests marked slow (long end-to-end and second-checkpoint runs; `make test` skips them):
 # CI runs them after `make test`.
-test-slow: $(STAMP) redis cc prometheus
+test-slow: $(STAMP) redis cc prometheus k8s-tools
 	$(BIN)/python -m pytest -m slow
 
 install: $(STAMP)
@@ -57,6 +57,14 @@ cc:
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		(apt-get install -y -q gcc || (apt-get update -q && apt-get install -y -q gcc)) >/dev/null; \
 	else echo "no C compiler: CPU decode attention will use the torch path"; fi
+
+# The e2e cluster's control plane, built from pinned Go modules (docs/e2e.md): etcd,
+# kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, helm and the InferencePool
+# CRD, cached under ~/.cache/epdserve/k8s-tools and linked as tools/bin and tools/crds. Cold it
+# takes a while; once cached it is instant. Needs Go; without it this fails rather than skip.
+k8s-tools:
+	@command -v go >/dev/null || { echo "make k8s-tools: no 'go' on PATH; the e2e tests need Go >= 1.26 (docs/e2e.md)" >&2; exit 1; }
+	@bash tools/build.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

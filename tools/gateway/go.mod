@@ -1,0 +1,8 @@
+// Pins the Gateway API Inference Extension whose InferencePool CRD the e2e cluster installs
+// (docs/e2e.md). Nothing here is compiled: tools/build.sh asks `go mod download -json` for the
+// module's directory and copies the CRD YAML out of it.
+module epdserve.dev/tools/gateway
+
+go 1.26.0
+
+require sigs.k8s.io/gateway-api-inference-extension v1.6.2
