@@ -1,6 +1,7 @@
 // Pins the Gateway API Inference Extension whose InferencePool CRD the e2e cluster installs
-// (docs/e2e.md). Nothing here is compiled: tools/build.sh asks `go mod download -json` for the
-// module's directory and copies the CRD YAML out of it.
+// (docs/e2e.md). Nothing here is compiled: tools/build.sh downloads the module, asks `go list -m`
+// for its directory and copies the CRD YAML out of it. Do not `go mod tidy` here: nothing
+// imports the module, so tidy would drop the require line.
 module epdserve.dev/tools/gateway
 
 go 1.26.0
