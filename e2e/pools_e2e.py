@@ -12,7 +12,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
 MODEL_PATH = "/models/tiny-llama"  # where the engine "image" carries the tiny model
-SMALL_ENGINE = {"dtype": "float32", "maxModelLen": 512, "kvCacheMemory": 16 << 20}
+SMALL_ENGINE = {"dtype": "float32", "maxModelLen": 512, "kvCacheMemory": "16Mi"}
 
 
 def readable_copy(src: Path, dst: Path) -> Path:

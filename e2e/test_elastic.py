@@ -114,7 +114,7 @@ class Ramp(Workers):
 
 def start(cluster, body: dict, tmp) -> openai.OpenAI:
     name = body["metadata"]["name"]
-    cluster.kubectl("apply", "--validate=false", "-f", write(tmp, body))
+    cluster.kubectl("apply", "-f", write(tmp, body))
     cluster.kubectl("wait", f"ipool/{name}", "--for=condition=Ready", "--timeout=300s", timeout=320)
     ip = cluster.service_ip(NS, name)
     return openai.OpenAI(base_url=f"http://{ip}/v1", api_key="unused", max_retries=0)

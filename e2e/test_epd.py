@@ -52,19 +52,20 @@ def test_epd_pool_answers_an_image_chat_and_reuses_encoder_outputs(cluster, e2e_
         pytest.skip(gap)
     from epdserve.engine.make_model import make_model
 
-    weights = cluster.node.claims["model-weights"] / "gemma-3-4b-it"
+    weights = cluster.claims["model-weights"] / "gemma-3-4b-it"
     if not weights.exists():
         built = make_model("gemma3", e2e_workdir / "build" / "tiny-gemma3", seed=0)
         readable_copy(built, weights)
-    shared = e2e_workdir / "pv" / "epd-cache"
-    shared.mkdir(parents=True, exist_ok=True)
-    shared.chmod(0o777)
-    cluster.node.claims["epd-cache"] = shared
+    if "epd-cache" not in cluster.claims:
+        shared = e2e_workdir / "pv" / "epd-cache"
+        shared.mkdir(parents=True, exist_ok=True)
+        shared.chmod(0o777)
+        cluster.claim("epd-cache", shared)
     pool = for_this_machine(
         example("epd-multimodal"), replicas={"encoder": 1, "prefill": 1, "decode": 1}
     )
     name, served = pool["metadata"]["name"], pool["spec"]["model"]["name"]
-    cluster.kubectl("apply", "--validate=false", "-f", write(tmp_path, pool))
+    cluster.kubectl("apply", "-f", write(tmp_path, pool))
     try:
         cluster.kubectl(
             "wait", f"ipool/{name}", "--for=condition=Ready", "--timeout=300s", timeout=320

@@ -54,7 +54,7 @@ def pool(cluster, tmp_path_factory):
     body["metadata"]["name"] = NAME
     body["spec"]["cache"] = {"backend": "redis", "redis": {"managed": True}}
     served = body["spec"]["model"]["name"]
-    cluster.kubectl("apply", "--validate=false", "-f", write(tmp_path_factory.mktemp("p"), body))
+    cluster.kubectl("apply", "-f", write(tmp_path_factory.mktemp("p"), body))
     cluster.kubectl("wait", f"ipool/{NAME}", "--for=condition=Ready", "--timeout=240s", timeout=260)
     ip = cluster.service_ip(NS, NAME)
     client = openai.OpenAI(base_url=f"http://{ip}/v1", api_key="unused", max_retries=0)

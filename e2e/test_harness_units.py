@@ -96,7 +96,7 @@ def test_quantities_read_as_kubernetes_writes_them():
 def test_a_memory_empty_dir_is_a_tmpfs_of_its_size_limit(tmp_path):
     def source(empty_dir):
         volume = {"name": "dshm", "emptyDir": empty_dir}
-        return podspec.volume_source(POD, volume, lookup, tmp_path, {}, "")
+        return podspec.volume_source(POD, volume, lookup, tmp_path, "")
 
     assert source({"medium": "Memory", "sizeLimit": "512Mi"}) == {"source": None, "size": 512 << 20}
     assert source({"medium": "Memory"}) == {"source": None, "size": None}

@@ -30,7 +30,7 @@ OUTCOMES = {
 def pool(cluster, tmp_path_factory):
     body = for_this_machine(example("colocated-text"), MODEL_PATH, replicas={"colocated": 1})
     body["metadata"]["name"] = NAME
-    cluster.kubectl("apply", "--validate=false", "-f", write(tmp_path_factory.mktemp("c"), body))
+    cluster.kubectl("apply", "-f", write(tmp_path_factory.mktemp("c"), body))
     try:
         cluster.kubectl(
             "wait", f"inferencepool/{NAME}", "--for=condition=Ready", "--timeout=240s", timeout=260

@@ -150,7 +150,7 @@ def test_the_lora_pool_answers_each_adapter_through_its_router_as_a_single_pod(
         in_image(cluster, IMAGE_MODEL, lora_model),
         single_pod(lora_model, served, pool["spec"]["engine"], log) as (single, ready),
     ):
-        cluster.kubectl("apply", "--validate=false", "-f", write(tmp_path, pool))
+        cluster.kubectl("apply", "-f", write(tmp_path, pool))
         try:
             cluster.kubectl(
                 "wait", f"ipool/{name}", "--for=condition=Ready", "--timeout=240s", timeout=260

@@ -52,7 +52,7 @@ def pools(cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     try:
         for body in (pd, ref):
-            cluster.kubectl("apply", "--validate=false", "-f", write(tmp, body))
+            cluster.kubectl("apply", "-f", write(tmp, body))
         for pool in (name, REF):
             cluster.kubectl(
                 "wait", f"ipool/{pool}", "--for=condition=Ready", "--timeout=240s", timeout=260

@@ -65,7 +65,7 @@ def pool(cluster, tmp_path_factory):
     body = for_this_machine(example("colocated-text"), MODEL_PATH, replicas={"colocated": 1})
     body["metadata"]["name"] = NAME
     body["spec"]["roles"]["colocated"].update(tensorParallelSize=2, cpusPerRank=1)
-    cluster.kubectl("apply", "--validate=false", "-f", write(tmp_path_factory.mktemp("tp"), body))
+    cluster.kubectl("apply", "-f", write(tmp_path_factory.mktemp("tp"), body))
     try:
         cluster.kubectl(
             "wait", f"ipool/{NAME}", "--for=condition=Ready", "--timeout=240s", timeout=260

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 from epdserve.common.logs import FORMATS, LEVELS, setup_logging
 
@@ -53,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("debug" if args.verbose else args.log_level, args.log_format)
     kopf.run(
         standalone=True,
+        # kopf's default identity looks the uid up in /etc/passwd, which an image run as an
+        # arbitrary non-root uid (the chart's 65532, OpenShift's random ones) need not have.
+        identity=f"epdserve-operator@{socket.gethostname()}/{os.getpid()}",
         namespaces=args.namespace,  # empty with clusterwide=True (None crashes kopf)
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness or None,

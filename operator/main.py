@@ -57,10 +57,10 @@ async def close(memo: kopf.Memo, **_) -> None:
 
 
 @kopf.on.login()
-def login(logger: logging.Logger, **_) -> kopf.ConnectionInfo:
+def login(logger: logging.Logger, settings: kopf.OperatorSettings, **_) -> kopf.ConnectionInfo:
     """Credentials from the pod's ServiceAccount or from $KUBECONFIG (read at start, not import)."""
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        return kopf.login_with_service_account(logger=logger)
+        return kopf.login_with_service_account(settings=settings, logger=logger)
     cfg = load_configuration()
     token = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
     scheme, _, token = (token or "").rpartition(" ") if token else ("", "", None)

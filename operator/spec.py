@@ -29,6 +29,7 @@ from epdserve.operator.parallel import (
     validate_parallel,
     with_rank_cpus,
 )
+from epdserve.operator.quantity import parse_bytes
 from epdserve.operator.source import HubSource, parse_hub_source
 from epdserve.operator.spec_fields import resources, secret_ref
 from epdserve.operator.tenancy import TenancySpec, parse_tenancy
@@ -142,6 +143,22 @@ _TUNING = {
 }
 
 
+def _tuning(engine: dict) -> dict:
+    """The engine flags' values; kvCacheMemory ("4GiB", "512Mi", bytes) in whole bytes, as
+    `--kv-cache-memory` takes it."""
+    tuning = {flag: engine[key] for key, flag in _TUNING.items() if key in engine}
+    if "KV_CACHE_MEMORY" in tuning:
+        raw = tuning["KV_CACHE_MEMORY"]
+        text = str(raw).strip()
+        try:
+            tuning["KV_CACHE_MEMORY"] = parse_bytes(text[:-1] if text.endswith("B") else text)
+        except ValueError:
+            raise InvalidSpec(
+                f"spec.engine.kvCacheMemory: {raw!r} is not a size (e.g. 4GiB, 512Mi)"
+            ) from None
+    return tuning
+
+
 def parse_pool(body: dict[str, Any]) -> PoolSpec:
     """Turn an InferencePool object (as the API returns it) into a validated PoolSpec."""
     meta = body.get("metadata") or {}
@@ -175,7 +192,7 @@ def parse_pool(body: dict[str, Any]) -> PoolSpec:
         image=engine["image"],
         pull_policy=engine.get("imagePullPolicy", "IfNotPresent"),
         pull_secrets=tuple(engine.get("imagePullSecrets") or ()),
-        tuning={flag: engine[key] for key, flag in _TUNING.items() if key in engine},
+        tuning=_tuning(engine),
         roles=roles,
         cache=cache,
         hash_seed=str(spec.get("hashSeed") or meta.get("uid") or meta.get("name", "")),

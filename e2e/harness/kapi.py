@@ -15,6 +15,10 @@ PATHS = {
     "Namespace": ("/api/v1", "namespaces"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
+    "Node": ("/api/v1", "nodes"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "PersistentVolume": ("/api/v1", "persistentvolumes"),
+    "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
 }
 
 
@@ -55,8 +59,12 @@ class Api:
     def get(self, kind: str, namespace: str | None, name: str) -> dict | None:
         return self._call("GET", self._path(kind, namespace, name))
 
-    def list(self, kind: str, namespace: str | None = None, selector: str = "") -> list[dict]:
-        query = {"labelSelector": selector} if selector else None
+    def list(
+        self, kind: str, namespace: str | None = None, selector: str = "", fields: str = ""
+    ) -> list[dict]:
+        query = {"labelSelector": selector} if selector else {}
+        if fields:
+            query["fieldSelector"] = fields
         return (self._call("GET", self._path(kind, namespace), query=query) or {})["items"]
 
     def create(self, kind: str, namespace: str | None, obj: dict) -> dict:
@@ -65,6 +73,23 @@ class Api:
     def patch(self, kind: str, namespace: str, name: str, patch: dict, sub: str = "") -> dict:
         path = self._path(kind, namespace, name, sub)
         return self._call("PATCH", path, patch, "application/merge-patch+json")
+
+    def token(self, namespace: str, account: str, pod: dict, seconds: int, audience=None) -> str:
+        """A ServiceAccount token bound to `pod` (the TokenRequest API, as a kubelet asks)."""
+        spec = {
+            "expirationSeconds": seconds,
+            "boundObjectRef": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod["metadata"]["name"],
+                "uid": pod["metadata"]["uid"],
+            },
+        }
+        if audience:
+            spec["audiences"] = [audience]
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+        path = self._path("ServiceAccount", namespace, account, "token")
+        return self._call("POST", path, body)["status"]["token"]
 
     def delete(self, kind: str, namespace: str, name: str, grace: int | None = None) -> None:
         query = None if grace is None else {"gracePeriodSeconds": grace}

@@ -7,7 +7,12 @@ kubelet runs startup, liveness and readiness probes, restarts exited containers
 (restartPolicy Always, with back-off), and reports the Pod's status through the API. Times from the spec (probe periods, back-off)
 are multiplied by `time_scale` so tests run in seconds; thresholds and timeouts are kept.
 
-A pod marked for deletion (`deletionTimestamp`, see apiserver.py) is terminated as a kubelet
+It registers its Node and renews its Lease (node.py), sees the pods the real scheduler bound
+to it, asks the TokenRequest API for their ServiceAccount tokens, and resolves their claims
+to the bound PersistentVolumes' paths, each with the node's own credentials
+(system:node:NAME, checked by the Node authorizer and NodeRestriction).
+
+A pod marked for deletion (`deletionTimestamp`, set by the API server) is terminated as a kubelet
 does: no more restarts or probes, each container's preStop hook (the `sleep` action; its
 seconds scaled too, at least 1 s), then SIGTERM and SIGKILL when the grace period (capped by
 `max_grace`) runs out; then the pod object is removed.
@@ -27,6 +32,7 @@ import podspec
 from container import Container, now_iso, signal_group
 from kapi import ApiError
 from netns import GATEWAY, PodNetwork
+from node import NodeAgent
 
 
 @dataclass
@@ -36,10 +42,8 @@ class NodeConfig:
     name: str = "e2e-node"
     image_env: dict = field(default_factory=dict)  # ENV every image sets (PATH, ...)
     image_files: list = field(default_factory=list)  # [{"path", "source"}] in every image
-    claims: dict = field(default_factory=dict)  # PVC name -> host directory
     time_scale: float = 0.2
     max_grace: float = 30.0  # cap on terminationGracePeriodSeconds
-    token: str = "e2e-service-account-token"
 
 
 class PodRuntime:
@@ -80,8 +84,7 @@ class PodRuntime:
                     volume,
                     kubelet.lookup,
                     self.dir,
-                    kubelet.config.claims,
-                    kubelet.config.token,
+                    kubelet.token,
                 )
                 if source["source"] is None:  # a memory emptyDir
                     source["source"] = self._tmpfs(vm["name"], source.get("size"))
@@ -201,13 +204,22 @@ class Kubelet:
         self._dirs_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
+        self.node = NodeAgent(api, config.name, GATEWAY)
 
     def start(self) -> Kubelet:
+        self.node.register()
         self._thread.start()
         return self
 
-    def lookup(self, kind: str, namespace: str, name: str) -> dict | None:
+    def lookup(self, kind: str, namespace: str | None, name: str) -> dict | None:
         return self.api.get(kind, namespace, name)
+
+    def token(self, pod: dict, request: dict) -> str:
+        """A projected serviceAccountToken source's token, bound to the pod."""
+        account = pod["spec"].get("serviceAccountName") or "default"
+        seconds = int(request.get("expirationSeconds") or 3600)
+        namespace = pod["metadata"]["namespace"]
+        return self.api.token(namespace, account, pod, seconds, request.get("audience"))
 
     def mount_point(self, path: str) -> None:
         """Create a missing mount point on the host (recorded, removed at close)."""
@@ -234,11 +246,9 @@ class Kubelet:
             self._stop.wait(0.3)
 
     def sync(self) -> None:
-        pods = {
-            p["metadata"]["uid"]: p
-            for p in self.api.list("Pod")
-            if (p.get("spec") or {}).get("nodeName") == self.config.name
-        }
+        self.node.heartbeat()
+        mine = self.api.list("Pod", fields=f"spec.nodeName={self.config.name}")
+        pods = {p["metadata"]["uid"]: p for p in mine}
         for uid in list(self.pods):
             if uid not in pods:
                 runtime = self.pods.pop(uid)

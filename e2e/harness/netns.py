@@ -2,8 +2,8 @@
 
 Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544), so the pod network can
 never be mistaken for a real one: the bridge (the "node") is 198.18.0.1, pods get
-198.18.1.0 and up, Service cluster IPs 198.19.0.0 and up (added to the bridge, where the
-harness's userspace service proxy listens). Every name carries the run's prefix
+198.18.1.0 and up; Service cluster IPs, allocated by the API server from 198.19.0.0/16, are
+added to the bridge, where the harness's userspace service proxy listens. Every name carries the run's prefix
 (`epd-e2e-<pid>-`), so teardown, and the leak check, find exactly what this run made.
 """
 
@@ -20,7 +20,6 @@ from pathlib import Path
 GATEWAY = "198.18.0.1"
 PREFIX_LEN = 15
 POD_BASE = ipaddress.ip_address("198.18.1.0")
-SERVICE_BASE = ipaddress.ip_address("198.19.0.0")
 NETNS_DIR = Path("/etc/netns")
 # A pod's names are its hosts file (cluster DNS as hosts entries). Any other lookup must fail
 # at once, as cluster DNS answers one it has no record for: the node's nameserver is out of a
@@ -94,7 +93,6 @@ class PodNetwork:
         self.bridge = f"epdbr{os.getpid()}"  # pids fit: at most 4194304 (10 chars in all)
         self._lock = threading.Lock()
         self._next_pod = 0
-        self._next_service = 1  # .0 stays unused
         self._made_netns_dir = False
         self.namespaces: dict[str, tuple[str, str]] = {}  # netns -> (host veth, pod ip)
 
@@ -106,13 +104,9 @@ class PodNetwork:
         ip("link", "set", self.bridge, "up")
         return self
 
-    def service_ip(self) -> str:
-        """A fresh cluster IP, reachable from every pod and from the host."""
-        with self._lock:
-            addr = str(SERVICE_BASE + self._next_service)
-            self._next_service += 1
+    def add_service_ip(self, addr: str) -> None:
+        """Make a cluster IP (the API server's allocation) reachable from pods and host."""
         ip("addr", "add", f"{addr}/32", "dev", self.bridge)
-        return addr
 
     def add_pod(self) -> tuple[str, str]:
         """A new namespace wired to the bridge: returns (netns name, pod IP)."""

@@ -12,7 +12,6 @@ import math
 import re
 from pathlib import Path
 
-SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
@@ -185,9 +184,11 @@ def quantity_bytes(quantity) -> int:
     return math.ceil(float(m.group(1)) * _SCALE.get(m.group(2) or "", 1))
 
 
-def volume_source(pod, volume, lookup, pod_dir: Path, claims: dict, token: str) -> dict:
+def volume_source(pod, volume, lookup, pod_dir: Path, token) -> dict:
     """Materialise one volume: {"source": host path} (readOnly optional), or for a memory
-    emptyDir {"source": None, "size": its sizeLimit in bytes or None} (the kubelet's tmpfs)."""
+    emptyDir {"source": None, "size": its sizeLimit in bytes or None} (the kubelet's tmpfs).
+    A claim resolves through the API to its bound PersistentVolume's hostPath or local path;
+    `token(pod, source)` gives a projected ServiceAccount token (or is the token itself)."""
     namespace, name = pod["metadata"]["namespace"], volume["name"]
     where = pod_dir / "volumes" / name
     if "emptyDir" in volume:
@@ -199,9 +200,13 @@ def volume_source(pod, volume, lookup, pod_dir: Path, claims: dict, token: str) 
         return {"source": str(where)}
     if "persistentVolumeClaim" in volume:
         claim = volume["persistentVolumeClaim"]
-        if claim["claimName"] not in claims:
+        pvc = lookup("PersistentVolumeClaim", namespace, claim["claimName"]) or {}
+        bound = (pvc.get("spec") or {}).get("volumeName")
+        pv_spec = ((bound and lookup("PersistentVolume", None, bound)) or {}).get("spec") or {}
+        path = (pv_spec.get("hostPath") or pv_spec.get("local") or {}).get("path")
+        if not path:
             raise ConfigError(f'persistentvolumeclaim "{claim["claimName"]}" not bound')
-        return {"source": str(claims[claim["claimName"]]), "readOnly": claim.get("readOnly")}
+        return {"source": path, "readOnly": claim.get("readOnly")}
     if "hostPath" in volume:
         return {"source": volume["hostPath"]["path"]}
     files: dict[str, bytes] = {}
@@ -224,12 +229,14 @@ def volume_source(pod, volume, lookup, pod_dir: Path, claims: dict, token: str) 
     return {"source": str(where), "readOnly": True}
 
 
-def _projected(pod, projected: dict, lookup, token: str) -> dict[str, bytes]:
+def _projected(pod, projected: dict, lookup, token) -> dict[str, bytes]:
     namespace = pod["metadata"]["namespace"]
     files: dict[str, bytes] = {}
     for source in projected.get("sources") or []:
         if "serviceAccountToken" in source:
-            files[source["serviceAccountToken"].get("path", "token")] = token.encode()
+            request = source["serviceAccountToken"]
+            value = token(pod, request) if callable(token) else token
+            files[request.get("path", "token")] = value.encode()
         for kind, key in (("ConfigMap", "configMap"), ("Secret", "secret")):
             if key in source:
                 obj = lookup(kind, namespace, source[key]["name"]) or {}
@@ -258,37 +265,3 @@ def security(pod: dict, container: dict) -> dict:
         "noNewPrivs": ctx.get("allowPrivilegeEscalation") is False,
         "readOnlyRoot": bool(ctx.get("readOnlyRootFilesystem")),
     }
-
-
-def service_account_volume(pod: dict, service_account: dict | None) -> tuple[dict, dict] | None:
-    """The ServiceAccount admission plugin's token volume + mount, when automounted."""
-    spec = pod.get("spec") or {}
-    automount = spec.get("automountServiceAccountToken")
-    if automount is None:
-        automount = (service_account or {}).get("automountServiceAccountToken", True)
-    if not automount:
-        return None
-    volume = {
-        "name": "kube-api-access",
-        "projected": {
-            "defaultMode": 0o644,
-            "sources": [
-                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
-                {
-                    "configMap": {
-                        "name": "kube-root-ca.crt",
-                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
-                    }
-                },
-                {
-                    "downwardAPI": {
-                        "items": [
-                            {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
-                        ]
-                    }
-                },
-            ],
-        },
-    }
-    mount = {"name": "kube-api-access", "mountPath": SA_DIR, "readOnly": True}
-    return volume, mount

@@ -21,6 +21,20 @@ def test_defaults_fill_a_minimal_colocated_pool():
 
 
 @pytest.mark.parametrize(
+    ("given", "flag"),
+    [("4GiB", 4 << 30), ("512Mi", 512 << 20), ("1GB", 10**9), ("16777216", 16 << 20)],
+)
+def test_kv_cache_memory_reaches_the_engine_in_bytes(given, flag):
+    body = pool_body(engine={"image": "img:1", "kvCacheMemory": given})
+    assert parse_pool(body).tuning["KV_CACHE_MEMORY"] == flag
+
+
+def test_a_kv_cache_memory_that_is_no_size_names_the_field():
+    with pytest.raises(InvalidSpec, match=r"spec\.engine\.kvCacheMemory"):
+        parse_pool(pool_body(engine={"image": "img:1", "kvCacheMemory": "lots"}))
+
+
+@pytest.mark.parametrize(
     ("source", "model_arg"),
     [
         ({"pvc": {"claimName": "w", "path": "llama/8b/"}}, "/models/llama/8b"),
