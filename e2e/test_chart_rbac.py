@@ -1,6 +1,8 @@
 """The chart on the real control plane: what `helm install` put there, the operator's
 ServiceAccount held to the chart's RBAC (and nothing more), a denied verb reported as the
-pool's condition rather than a crash loop, and `helm upgrade` restoring the chart's Role.
+pool's condition rather than a crash loop, and `helm upgrade --force-conflicts` restoring the
+chart's Role (a plain upgrade refuses: Helm 4 applies server-side, and the hand edit owns the
+rules).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from cluster import OPERATOR_NS, wait_for
 from pools_e2e import MODEL_PATH, NS, condition, example, for_this_machine, write
 
 pytestmark = pytest.mark.e2e
-OPERATOR = f"system:serviceaccount:{OPERATOR_NS}:epdserve"
+OPERATOR = f"system:serviceaccount:{OPERATOR_NS}:epdserve-operator"
 
 
 def can(cluster, verb: str, resource: str, namespace: str | None = NS) -> bool:
@@ -29,7 +31,7 @@ def test_helm_installed_the_crd_rbac_and_a_running_operator(cluster):
     assert established.get("Established") == "True"
     assert established.get("NonStructuralSchema") is None
     (pod,) = cluster.pods(OPERATOR_NS, "app.kubernetes.io/name=epdserve-operator")
-    assert pod["spec"]["serviceAccountName"] == "epdserve"
+    assert pod["spec"]["serviceAccountName"] == "epdserve-operator"
     assert pod["spec"]["securityContext"]["runAsUser"] == 65532
     assert all(s["ready"] for s in pod["status"]["containerStatuses"])
 
@@ -58,11 +60,22 @@ def test_the_operator_account_holds_the_charts_grants_and_nothing_more(cluster):
 
 
 def test_a_denied_verb_is_the_pools_condition_and_helm_upgrade_restores_it(cluster, tmp_path):
-    role = json.loads(cluster.kubectl("get", "role", "epdserve", "-n", NS, "-o", "json"))
-    rules = [r for r in role["rules"] if "services" not in r.get("resources", [])]
-    assert len(rules) < len(role["rules"]), "the chart's Role should grant Services"
+    role = json.loads(cluster.kubectl("get", "role", "epdserve-operator", "-n", NS, "-o", "json"))
+    assert any("services" in r.get("resources", []) for r in role["rules"])
+    rules = [  # the chart's Role without Services, everything else kept
+        {**r, "resources": [x for x in r.get("resources", []) if x != "services"]}
+        for r in role["rules"]
+    ]
+    rules = [r for r in rules if r["resources"]]
     cluster.kubectl(
-        "patch", "role", "epdserve", "-n", NS, "--type=merge", "-p", json.dumps({"rules": rules})
+        "patch",
+        "role",
+        "epdserve-operator",
+        "-n",
+        NS,
+        "--type=merge",
+        "-p",
+        json.dumps({"rules": rules}),
     )
     wait_for(lambda: not can(cluster, "create", "services"), 30, "the Role edit to apply")
     (operator,) = cluster.pods(OPERATOR_NS, "app.kubernetes.io/name=epdserve-operator")
@@ -81,10 +94,13 @@ def test_a_denied_verb_is_the_pools_condition_and_helm_upgrade_restores_it(clust
         (now,) = cluster.pods(OPERATOR_NS, "app.kubernetes.io/name=epdserve-operator")
         assert now["metadata"]["uid"] == operator["metadata"]["uid"]
         assert [s["restartCount"] for s in now["status"]["containerStatuses"]] == [0]
-        # `helm upgrade` puts the chart's Role back; the operator's resync heals the pool.
-        cluster.helm(
-            "upgrade", "epdserve", str(cluster_chart()), "-n", OPERATOR_NS, "--reuse-values"
-        )
+        # Helm 4 upgrades by server-side apply: the hand edit owns `.rules` now, so a plain
+        # upgrade refuses; --force-conflicts puts the chart's Role back, and the operator's
+        # resync heals the pool.
+        upgrade = ["upgrade", "epdserve", str(cluster_chart()), "-n", OPERATOR_NS]
+        refused = cluster.helm(*upgrade, "--reuse-values", check=False, stderr=True)
+        assert "conflict" in refused and ".rules" in refused, refused
+        cluster.helm(*upgrade, "--reuse-values", "--force-conflicts")
         assert can(cluster, "create", "services")
         wait_for(
             lambda: cluster.service_ip(NS, name) and cluster.service_ip(NS, f"{name}-colocated"),

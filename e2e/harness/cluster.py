@@ -107,8 +107,8 @@ class LocalCluster:
 
         wait_for(bound, 60, f"claim {name} to bind")
 
-    def helm(self, *args: str, check: bool = True, timeout: float = 300) -> str:
-        """The real helm (tools/bin) against this cluster; returns stdout."""
+    def helm(self, *args: str, check: bool = True, timeout: float = 300, stderr=False) -> str:
+        """The real helm (tools/bin) against this cluster; returns stdout (and stderr)."""
         env = {
             "HOME": str(self.workdir / "helm-home"),
             "PATH": os.environ.get("PATH", ""),
@@ -122,7 +122,7 @@ class LocalCluster:
         )
         if check and done.returncode != 0:
             raise AssertionError(f"helm {' '.join(args)} failed: {done.stderr}")
-        return done.stdout
+        return done.stdout + (done.stderr if stderr else "")
 
     def install_operator(self, *values: str, name: str = "epdserve") -> str:
         """`helm install` of charts/epdserve into epdserve-system (`values`: helm's --set
