@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
 MODEL_PATH = "/models/tiny-llama"  # where the engine "image" carries the tiny model
 SMALL_ENGINE = {"dtype": "float32", "maxModelLen": 512, "kvCacheMemory": "16Mi"}
+KV_CACHE_BYTES = 16 << 20  # SMALL_ENGINE's kvCacheMemory, as an engine flag takes it
 
 
 def readable_copy(src: Path, dst: Path) -> Path:

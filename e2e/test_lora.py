@@ -23,7 +23,15 @@ import httpx
 import openai
 import pytest
 from cluster import wait_for
-from pools_e2e import NS, example, for_this_machine, readable_copy, ready_pod_ips, write
+from pools_e2e import (
+    KV_CACHE_BYTES,
+    NS,
+    example,
+    for_this_machine,
+    readable_copy,
+    ready_pod_ips,
+    write,
+)
 
 from epdserve.common import metrics_text
 
@@ -72,7 +80,7 @@ def single_pod(model: Path, served: str, engine: dict, log: Path):
     argv = [str(BIN / "epdserve"), "serve", str(model), "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--served-model-name", served, "--dtype", engine["dtype"]]
     argv += ["--max-model-len", str(engine["maxModelLen"])]
-    argv += ["--kv-cache-memory", str(engine["kvCacheMemory"]), "--enable-lora", "--max-loras"]
+    argv += ["--kv-cache-memory", str(KV_CACHE_BYTES), "--enable-lora", "--max-loras"]
     argv += ["4", "--max-lora-rank", "64"]
     for name, adapter in ADAPTERS.items():
         argv += ["--lora-modules", f"{name}={model / 'loras' / adapter}"]

@@ -23,7 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 from cluster import wait_for
-from pools_e2e import MODEL_PATH, NS, SMALL_ENGINE, example, for_this_machine, write
+from pools_e2e import KV_CACHE_BYTES, MODEL_PATH, NS, SMALL_ENGINE, example, for_this_machine, write
 
 pytestmark = pytest.mark.e2e
 NAME = "tp-pool"
@@ -50,7 +50,7 @@ def reference(tiny_models) -> dict[str, tuple[str, int]]:
         str(tiny_models["llama"]),
         dtype=SMALL_ENGINE["dtype"],
         max_model_len=SMALL_ENGINE["maxModelLen"],
-        kv_cache_memory=SMALL_ENGINE["kvCacheMemory"],
+        kv_cache_memory=KV_CACHE_BYTES,
     )
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     return {

@@ -14,6 +14,7 @@ own. `restart(name)` stops one component and starts it again on the same ports a
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -173,6 +174,13 @@ class ControlPlane:
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--authorization-mode=Node,RBAC",
+            # Front-proxy client CA (kubeadm's settings): the controller manager and the
+            # scheduler read it from extension-apiserver-authentication and log errors if absent.
+            f"--requestheader-client-ca-file={self.pki.ca}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             "--enable-admission-plugins=NodeRestriction",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true",
@@ -226,6 +234,21 @@ class ControlPlane:
     def healthy(self, path: str = "/readyz") -> bool:
         """The API server answers `path` with 200 (admin credentials)."""
         return self._http_ok(self.server + path, self._ssl)
+
+    def compact_etcd(self) -> int:
+        """Compact etcd's history up to now (what its periodic compaction does): a watch
+        resumed from an older resourceVersion then gets 410 Gone. Returns the revision."""
+
+        def post(path: str, body: dict) -> dict:
+            req = urllib.request.Request(
+                self.etcd_url + path, json.dumps(body).encode(), method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return json.loads(resp.read())
+
+        revision = int(post("/v3/kv/range", {"key": "Lw=="})["header"]["revision"])  # "/"
+        post("/v3/kv/compaction", {"revision": str(revision), "physical": True})
+        return revision
 
     def restart(self, name: str, sig: int = signal.SIGTERM, down_s: float = 0.0) -> None:
         """Stop one component (SIGTERM, or SIGKILL for a crash), wait `down_s`, start it."""
