@@ -76,10 +76,31 @@ def apply_object(kube: Kube, obj: dict, live: dict | None) -> str:
         except ApiError as exc:
             if exc.status != 409:  # 409: it exists after all (e.g. labels edited away)
                 raise
+        check_owned(kube, obj)
     elif not drifted(live, obj):
         return "unchanged"
     kube.apply(obj)
     return "updated"
+
+
+class ForeignObject(Exception):
+    """An object of a child's name exists and belongs to someone else: taking it over
+    (server-side apply merges into it) would mix its fields into ours, so the pool waits."""
+
+
+def check_owned(kube: Kube, obj: dict) -> None:
+    """After a create answered 409: go on only if the existing object is this pool's child
+    (its labels edited away); raise ForeignObject otherwise."""
+    meta = obj["metadata"]
+    live = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) or {}
+    ours = {o.get("uid") for o in meta.get("ownerReferences") or []}
+    theirs = {o.get("uid") for o in (live.get("metadata") or {}).get("ownerReferences") or []}
+    if not live or ours & theirs:
+        return
+    raise ForeignObject(
+        f"{obj['kind']} {meta['namespace']}/{meta['name']} already exists and is not "
+        "this pool's: delete or rename it (the pool creates its own)"
+    )
 
 
 def list_children(kube: Kube, pool: PoolSpec) -> tuple[dict, set[str]]:
@@ -135,6 +156,8 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
         return _degraded("ApplyFailed", str(exc), generation, old_status, now, announce)
     except CurveUnavailable as exc:
         return _degraded("CurveUnavailable", str(exc), generation, old_status, now, announce)
+    except ForeignObject as exc:
+        return _degraded("ForeignObject", str(exc), generation, old_status, now, announce)
     replicas = desired_replicas(pool, held)
     deployments = {name: d for (kind, name), d in live.items() if kind == "Deployment"}
     status = pool_status(
