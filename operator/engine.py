@@ -261,7 +261,8 @@ def build_role_service(pool: PoolSpec, role: str) -> dict:
             "metadata": meta.metadata(pool, meta.name_of(pool, role), "engine", role),
             "spec": {
                 "clusterIP": "None",
-                "publishNotReadyAddresses": False,
+                # publishNotReadyAddresses stays unset (false): the API server stores a false
+                # plain bool as absent, so sending it would read as drift on every pass.
                 "selector": {meta.POOL_LABEL: pool.name, meta.ROLE_LABEL: role},
                 "ports": ports,
             },

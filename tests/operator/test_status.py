@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from epdserve.operator.reconcile import drifted, is_subset
 from epdserve.operator.status import degraded_status, is_transition, pool_status, ready_replicas
 
@@ -58,6 +60,23 @@ def test_server_defaults_are_not_drift_but_hand_edits_are():
     live["spec"]["a"][0]["x"] = 1
     live["metadata"]["annotations"]["epdserve.io/desired-hash"] = "old"
     assert drifted(live, want)
+
+
+def test_a_role_service_as_the_api_server_stores_it_is_not_drift():
+    # A real API server drops false plain booleans (publishNotReadyAddresses) and adds its
+    # defaults; a built field it drops would re-apply the Service on every resync pass.
+    from ipool_samples import pool_body
+
+    from epdserve.operator.engine import build_role_service
+    from epdserve.operator.spec import parse_pool
+
+    redis = {"backend": "redis", "redis": {"managed": True}}
+    pool = parse_pool(pool_body(roles={"prefill": {}, "decode": {}}, cache=redis))
+    want = build_role_service(pool, "prefill")
+    stored = copy.deepcopy(want)
+    stored["spec"] = {k: v for k, v in want["spec"].items() if v is not False}
+    stored["spec"].update(clusterIPs=["None"], type="ClusterIP", sessionAffinity="None")
+    assert not drifted(stored, want)
 
 
 def test_api_paths_and_error_classes():
