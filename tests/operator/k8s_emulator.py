@@ -1,16 +1,17 @@
 """A Kubernetes API emulator for operator tests: kmock's emulator, extended (DESIGN.md §6).
 
 `ApiEmulator` keeps kmock's server, discovery, request journal and reaction DSL (used here to
-inject faults), and replaces its object semantics with what kopf, kubectl and the official
-client need: uid / resourceVersion / generation / creationTimestamp, 201 on create, PUT,
+inject faults), and replaces its object semantics with what kopf and the official client
+need: uid / resourceVersion / generation / creationTimestamp, 201 on create, PUT,
 merge / JSON / strategic(≈merge) / server-side-apply patches with resourceVersion
 preconditions (409) and JSON-patch `test` (422), status subresources, label and field
 selectors, watches that resume from a resourceVersion (410 once compacted), finalizers,
 owner-reference garbage collection, and CRDs that become served resources when created.
 
 `EmulatorThread` runs one on a free loopback port in a background thread and writes a
-kubeconfig for it, so tests (and the e2e harness, which plays Deployment controller and
-kubelet against it) stay synchronous.
+kubeconfig for it, so tests stay synchronous. Integration tests of the operator run on the
+real control plane (real_cluster.py); the emulator serves the fault tests (test_faults.py)
+and the unit tests that need an API to list from.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import yaml
 from k8s_patch import PatchError, json_patch, match_fields, match_labels, merge_patch
 from k8s_patch import server_side_apply as ssa
 from k8s_store import ObjectStore, api_error, resource_key, status_body
-from k8s_tables import as_table, printer_columns, wants_table
 from kmock._internal import parsing as kmock_parsing
 
 NAMESPACES = "/v1/namespaces"
@@ -100,15 +100,6 @@ class ApiEmulator(ObjectStore, kmock.KubernetesEmulator):
 
     # -- HTTP handlers -------------------------------------------------------------------
 
-    async def _serve_version(self, request):
-        # kmock lists subresources with the parent's short names; kubectl then warns that
-        # `ipool` is ambiguous. A real server gives subresources no short names.
-        payload = await super()._serve_version(request)
-        for entry in payload.get("resources", []):
-            if "/" in entry["name"]:
-                entry.update(shortNames=[], categories=[])
-        return payload
-
     def _resolve(self, request) -> tuple[str, str | None]:
         res = resource_key(request.resource)
         info = self._info(res)
@@ -132,9 +123,6 @@ class ApiEmulator(ObjectStore, kmock.KubernetesEmulator):
             for key, obj in sorted(self.store.items(), key=lambda kv: (kv[0][1] or "", kv[0][2]))
             if self._matches(request, res, namespace, key, obj)
         ]
-        columns = printer_columns(self.store, res) if wants_table(request.headers) else None
-        if columns:
-            return as_table(columns, items, str(self.revision))
         kind = (self._info(res).kind or "") + "List"
         group, version, _ = res.split("/")
         api_version = f"{group}/{version}" if group else version
@@ -184,9 +172,6 @@ class ApiEmulator(ObjectStore, kmock.KubernetesEmulator):
         obj = self.store.get((res, namespace, request.name))
         if obj is None:
             raise api_error(404, "NotFound", f"{res} {request.name!r} not found")
-        columns = printer_columns(self.store, res) if wants_table(request.headers) else None
-        if columns:
-            return as_table(columns, [obj], obj["metadata"]["resourceVersion"])
         return copy.deepcopy(obj)
 
     async def _serve_create(self, request):

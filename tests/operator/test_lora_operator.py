@@ -1,13 +1,13 @@
-"""The real operator (KopfRunner) against the API emulator, driven with kubectl: a dynamic
-pool's changed adapter list reaches a running pod (a real HTTP stub) through load/unload
-calls, without rolling its Deployment, and the status lists the adapters."""
+"""The operator on the real control plane, driven with kubectl: a dynamic pool's changed
+adapter list reaches a running pod (a real HTTP stub on this host) through load/unload calls,
+without rolling its Deployment, and the status lists the adapters."""
 
 from __future__ import annotations
 
 import json
 
 from ipool_samples import pool_body
-from k8s_cluster import NS, deployment, kubectl, wait_for
+from k8s_cluster import NS, deployment, wait_for
 from lora_stub_pod import StubPod
 
 SQL = {"name": "sql", "source": {"path": "/opt/adapters/sql"}}
@@ -15,7 +15,8 @@ CHAT = {"name": "chat", "source": {"path": "/opt/adapters/chat"}}
 
 
 def ready_pod(cluster, name: str, pool: str, port: int) -> None:
-    """A running, ready engine pod of the pool (the emulator has no kubelet)."""
+    """A running, ready engine pod of the pool at the stub's address: created by hand (no
+    pod-template-hash, so no ReplicaSet adopts it), its status written as a kubelet would."""
     labels = {"epdserve.io/pool": pool, "epdserve.io/role": "colocated"}
     container = {"name": "engine", "image": "img:1"}
     container["ports"] = [{"name": "http", "containerPort": port}]
@@ -49,8 +50,7 @@ def test_a_dynamic_pool_loads_a_changed_list_on_running_pods_without_a_rollout(c
                 what="status lists sql on 1/1 pods",
             )
             patch = {"spec": {"lora": {"adapters": [CHAT]}}}
-            kubectl(
-                cluster.server.kubeconfig,
+            cluster.kubectl(
                 *("patch", "inferencepool", "dyn", "-n", NS, "--type", "merge"),
                 *("-p", json.dumps(patch)),
             )
