@@ -115,11 +115,12 @@ def cluster(e2e_workdir, tiny_models):
     assert not leaks, f"left running after the e2e run: {leaks}"
 
 
-# The chart's values for the e2e operator: it manages `default`, resyncs every 2 s and retries
-# a failed reconcile after 0.5 s (tests wait less).
+# The chart's values for the e2e operator: it manages `default`, resyncs every 2 s, retries a
+# failed reconcile after 0.5 s (tests wait less) and logs at debug level.
 OPERATOR_VALUES = (
     "--set=watchNamespaces={default}",
     "--set=resyncSeconds=2",
+    "--set=verbose=true",  # kopf's debug lines show the watch restarts the fault tests cause
     "--set=extraEnv[0].name=EPDSERVE_OPERATOR_RETRY_SECONDS",
     "--set-string=extraEnv[0].value=0.5",
 )

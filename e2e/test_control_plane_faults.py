@@ -52,6 +52,11 @@ def degraded(cluster) -> dict:
     return found if found.get("status") == "True" else {}
 
 
+def watch_restarts(cluster) -> int:
+    """How often kopf restarted a watch after 410 Gone (its debug line says so)."""
+    return cluster.operator_log().count("Restarting the watch-stream")
+
+
 def operator_restarts(cluster) -> list[int]:
     pods = cluster.pods(OPERATOR_NS, "app.kubernetes.io/name=epdserve-operator")
     return [s["restartCount"] for p in pods for s in p["status"].get("containerStatuses") or []]
@@ -89,10 +94,12 @@ def test_the_operator_converges_through_control_plane_faults(cluster, tmp_path):
         # 3. An expired watch: history compacted, the API server restarted (its watch cache
         # starts afresh), so the operator's resumed watches answer 410 Gone; the next spec
         # change is seen after the relist.
+        restarts = watch_restarts(cluster)
         control.compact_etcd()
         control.restart("kube-apiserver")
         scale(cluster, 1)
         wait_for(lambda: converged(cluster, 1), 180, "convergence after a 410")
+        assert watch_restarts(cluster) > restarts, "no watch answered 410 Gone"
         # 4. A child scaled by hand (another field manager): the operator puts its own back.
         cluster.kubectl("scale", "deployment", f"{NAME}-colocated", "--replicas=3", "-n", NS)
         wait_for(lambda: converged(cluster, 1), 180, "the hand scale repaired")
