@@ -33,7 +33,7 @@ def test_secrets_are_created_once_and_never_read_or_overwritten(cluster, make_po
         posts = cluster.audit(mark, verb="create", resource="secrets", code=code)
         return sum(e.get("name") in OWN for e in posts)
 
-    assert creates(201) == 2
+    wait_for(lambda: creates(201) == 2, what="both created")  # audit lines trail responses
     # later passes (a spec change, then periodic resyncs) post both again and get 409
     refused = creates(409)
     patch_pool(cluster, "sec", {"spec": {"router": {"replicas": 2}}})
