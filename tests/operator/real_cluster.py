@@ -59,6 +59,12 @@ class AuditedControlPlane(ControlPlane):
             f"--audit-policy-file={policy}",
             f"--audit-log-path={self.audit_log}",
         ]
+        # QPS=20 per controller client by default: the garbage collector then takes a second
+        # or more per deleted pool; the tests delete one per test.
+        self.components["kube-controller-manager"].argv += [
+            "--kube-api-qps=200",
+            "--kube-api-burst=400",
+        ]
 
 
 class RealCluster(Clients):
