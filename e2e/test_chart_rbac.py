@@ -117,3 +117,30 @@ def cluster_chart():
     from cluster import ROOT
 
     return ROOT / "charts" / "epdserve"
+
+
+def test_helm_uninstall_keeps_the_crd_and_pools_and_install_brings_the_operator_back(cluster):
+    from conftest import OPERATOR_VALUES
+
+    cluster.helm("uninstall", "epdserve", "-n", OPERATOR_NS, "--wait")
+    gone = {
+        "deployment": ("deployments", OPERATOR_NS),
+        "serviceaccount": ("serviceaccounts", OPERATOR_NS),
+        "role": ("roles", NS),
+        "clusterrole": ("clusterroles", None),
+    }
+    for kind, (plural, namespace) in gone.items():
+        where = ["-n", namespace] if namespace else []
+        names = cluster.kubectl("get", plural, *where, "-o", "name").split()
+        assert not [n for n in names if "epdserve-operator" in n], f"{kind} left: {names}"
+    # Helm never deletes a chart's CRDs (they would take every pool with them).
+    cluster.kubectl("get", "crd", "inferencepools.epdserve.io")
+    cluster.install_operator(*OPERATOR_VALUES)
+
+    def one_ready_operator():
+        pods = cluster.pods(OPERATOR_NS, "app.kubernetes.io/name=epdserve-operator")
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        statuses = [s for p in live for s in p["status"].get("containerStatuses") or []]
+        return len(live) == 1 and statuses and all(s["ready"] for s in statuses)
+
+    wait_for(one_ready_operator, 60, "the reinstalled operator")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -59,6 +61,9 @@ def test_kubectl_apply_of_the_colocated_example_serves_streamed_chat(cluster, tm
         header, row = table.splitlines()[:2]
         assert header.split()[:4] == ["NAME", "PHASE", "READY", "ENDPOINT"]
         assert row.split()[1:4] == ["Ready", "3/3", f"http://{name}.{NS}.svc:80"]
+        described = cluster.kubectl("describe", "ipool", name)
+        assert re.search(r"Phase:\s+Ready", described) and re.search(r"Ready:\s+3/3", described)
+        assert re.search(r"Normal\s+Ready\s+\S+\s+epdserve-operator\s+all pods ready", described)
     finally:
         cluster.kubectl("delete", "inferencepool", name, "--wait=false", check=False)
         wait_for(
