@@ -22,7 +22,8 @@ test-slow: $(STAMP) redis cc prometheus k8s-tools
 
 install: $(STAMP)
 
-# CPU torch first (a local wheel), so nothing later pulls a CUDA build.
+# torch first, pinned: PyPI's 2.13.0 (a CUDA build that runs on CPU; FACTS.md, polyglot), so the
+# extras below resolve against it instead of picking a torch of their own.
 $(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
