@@ -46,15 +46,6 @@ GATEWAY_POOL = {
 }
 
 
-class LoopbackControlPlane(ControlPlane):
-    """The API server on 127.0.0.1: it refuses a loopback address while it reconciles the
-    `kubernetes` Service's endpoints, which a CRD test does not need."""
-
-    def _define(self, *args):
-        super()._define(*args)
-        self.components["kube-apiserver"].argv.append("--endpoint-reconciler-type=none")
-
-
 class Kubectl:
     """tools/bin/kubectl with the admin kubeconfig and its own discovery cache."""
 
@@ -89,7 +80,7 @@ def establish(kubectl: Kubectl, path, name: str) -> None:
 def kubectl(tmp_path_factory):
     """etcd + kube-apiserver with our CRD applied (as the docs say: `kubectl apply -f`)."""
     workdir = tmp_path_factory.mktemp("crd-api")
-    plane = LoopbackControlPlane(workdir, "127.0.0.1")
+    plane = ControlPlane(workdir, "127.0.0.1")  # loopback: no endpoint reconciler
     try:
         try:
             plane.start(only=("etcd", "kube-apiserver"))
