@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-from pools_e2e import MODEL_PATH, readable_copy  # noqa: E402
+from pools_e2e import MODEL_PATH, OPERATOR_VALUES, readable_copy  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -113,14 +113,3 @@ def cluster(e2e_workdir, tiny_models):
         local.__exit__(None, None, None)
     leaks = local.leaks()
     assert not leaks, f"left running after the e2e run: {leaks}"
-
-
-# The chart's values for the e2e operator: it manages `default`, resyncs every 2 s, retries a
-# failed reconcile after 0.5 s (tests wait less) and logs at debug level.
-OPERATOR_VALUES = (
-    "--set=watchNamespaces={default}",
-    "--set=resyncSeconds=2",
-    "--set=verbose=true",  # kopf's debug lines show the watch restarts the fault tests cause
-    "--set=extraEnv[0].name=EPDSERVE_OPERATOR_RETRY_SECONDS",
-    "--set-string=extraEnv[0].value=0.5",
-)

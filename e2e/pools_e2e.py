@@ -15,6 +15,16 @@ MODEL_PATH = "/models/tiny-llama"  # where the engine "image" carries the tiny m
 SMALL_ENGINE = {"dtype": "float32", "maxModelLen": 512, "kvCacheMemory": "16Mi"}
 KV_CACHE_BYTES = 16 << 20  # SMALL_ENGINE's kvCacheMemory, as an engine flag takes it
 
+# The chart's values for the e2e operator: it manages `default`, resyncs every 2 s, retries a
+# failed reconcile after 0.5 s (tests wait less) and logs at debug level.
+OPERATOR_VALUES = (
+    "--set=watchNamespaces={default}",
+    "--set=resyncSeconds=2",
+    "--set=verbose=true",  # kopf's debug lines show the watch restarts the fault tests cause
+    "--set=extraEnv[0].name=EPDSERVE_OPERATOR_RETRY_SECONDS",
+    "--set-string=extraEnv[0].value=0.5",
+)
+
 
 def readable_copy(src: Path, dst: Path) -> Path:
     """Copy a checkpoint with world-readable modes (pods run as a non-root uid)."""

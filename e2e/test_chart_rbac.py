@@ -11,7 +11,15 @@ import json
 
 import pytest
 from cluster import OPERATOR_NS, wait_for
-from pools_e2e import MODEL_PATH, NS, condition, example, for_this_machine, write
+from pools_e2e import (
+    MODEL_PATH,
+    NS,
+    OPERATOR_VALUES,
+    condition,
+    example,
+    for_this_machine,
+    write,
+)
 
 pytestmark = pytest.mark.e2e
 OPERATOR = f"system:serviceaccount:{OPERATOR_NS}:epdserve-operator"
@@ -120,8 +128,6 @@ def cluster_chart():
 
 
 def test_helm_uninstall_keeps_the_crd_and_pools_and_install_brings_the_operator_back(cluster):
-    from conftest import OPERATOR_VALUES
-
     cluster.helm("uninstall", "epdserve", "-n", OPERATOR_NS, "--wait")
     gone = {
         "deployment": ("deployments", OPERATOR_NS),

@@ -15,7 +15,7 @@ import pytest
 from cluster import OPERATOR_NS, wait_for
 from pools_e2e import MODEL_PATH, NS, condition, example, for_this_machine, write
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # ~70 s idle, ~130 s loaded: CI runs it
 NAME = "faults"
 
 
