@@ -16,8 +16,18 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
+# A shell that never read a login profile (CI's, `env -i`) may lack Go's directory on PATH:
+# look where Go distributions install it before giving up.
 if ! command -v go >/dev/null 2>&1; then
-    echo "tools/build.sh: no 'go' on PATH. The e2e tests need Go >= 1.26 to build etcd," \
+    for dir in /usr/local/go/bin "${HOME:-/root}/go/bin" /usr/lib/go/bin; do
+        if [ -x "$dir/go" ]; then
+            export PATH="$dir:$PATH"
+            break
+        fi
+    done
+fi
+if ! command -v go >/dev/null 2>&1; then
+    echo "tools/build.sh: no 'go' on PATH (nor in /usr/local/go/bin). The e2e tests need Go >= 1.26 to build etcd," \
         "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and helm" \
         "(docs/e2e.md)." >&2
     exit 1
