@@ -22,7 +22,7 @@ import subprocess
 
 import pytest
 import yaml
-from controlplane import ControlPlane, MissingTools, tool
+from controlplane import ControlPlane, MissingTools
 from crd_cases import ACCEPTED, REFUSED_BY_CEL, REFUSED_BY_SCHEMA, ids, pool
 from ipool_samples import EXAMPLES, ROOT, example_docs
 
@@ -49,14 +49,12 @@ GATEWAY_POOL = {
 class Kubectl:
     """tools/bin/kubectl with the admin kubeconfig and its own discovery cache."""
 
-    def __init__(self, kubeconfig, cache):
-        self.kubeconfig = kubeconfig
-        self.argv = [tool("kubectl"), f"--kubeconfig={kubeconfig}", f"--cache-dir={cache}"]
+    def __init__(self, plane: ControlPlane, cache):
+        self.plane, self.cache = plane, cache
 
     def run(self, *args: str, body: dict | None = None) -> subprocess.CompletedProcess:
         text = None if body is None else json.dumps(body)
-        argv = [*self.argv, *args]
-        return subprocess.run(argv, input=text, capture_output=True, text=True, timeout=60)
+        return self.plane.kubectl(*args, stdin=text, timeout=60, cache=self.cache)
 
     def __call__(self, *args: str, body: dict | None = None) -> str:
         """The stdout of a command that must succeed."""
@@ -88,7 +86,7 @@ def kubectl(tmp_path_factory):
             if os.environ.get("CI"):
                 raise  # CI builds them (make k8s-tools): never skip there
             pytest.skip(str(exc))
-        client = Kubectl(plane.admin, workdir / "kubectl-cache")
+        client = Kubectl(plane, workdir / "kubectl-cache")
         establish(client, CRD, OURS)
         yield client
     finally:
@@ -197,7 +195,7 @@ def both(kubectl, tmp_path_factory):
         if os.environ.get("CI"):
             raise AssertionError(f"{GATEWAY_CRD} is missing (make k8s-tools)")
         pytest.skip(f"{GATEWAY_CRD} is missing: run `make k8s-tools` (tools/build.sh)")
-    client = Kubectl(kubectl.kubeconfig, tmp_path_factory.mktemp("kubectl-cache"))
+    client = Kubectl(kubectl.plane, tmp_path_factory.mktemp("kubectl-cache"))
     establish(client, GATEWAY_CRD, THEIRS)
     client("create", "-f", "-", body=pool("twin"))
     client("create", "-f", "-", body=GATEWAY_POOL)

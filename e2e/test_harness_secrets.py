@@ -34,6 +34,10 @@ OBJECTS = {
 }
 
 
+def no_token(pod, request):
+    raise AssertionError("no ServiceAccount token expected")
+
+
 def lookup(kind, namespace, name):
     return OBJECTS.get((kind, name))
 
@@ -46,7 +50,7 @@ def pod_from(deployment: dict, ip: str = "198.18.1.9") -> dict:
 
 def curve_dir(pod: dict, tmp_path) -> dict[str, bytes]:
     (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == kvevents.CURVE_VOLUME]
-    where = podspec.volume_source(pod, volume, lookup, tmp_path, "")
+    where = podspec.volume_source(pod, volume, lookup, tmp_path, no_token)
     assert where["readOnly"] is True
     return {p.name: p.read_bytes() for p in (tmp_path / "volumes" / volume["name"]).iterdir()}
 
@@ -73,4 +77,4 @@ def test_a_projected_key_missing_from_the_secret_stops_the_pod(tmp_path):
     (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == kvevents.CURVE_VOLUME]
     volume["secret"]["items"].append({"key": "absent", "path": "absent"})
     with pytest.raises(podspec.ConfigError, match="couldn't find key absent"):
-        podspec.volume_source(pod, volume, lookup, tmp_path, "")
+        podspec.volume_source(pod, volume, lookup, tmp_path, no_token)

@@ -14,6 +14,10 @@ POD = {
 }
 
 
+def no_token(pod, request):
+    raise AssertionError("no ServiceAccount token expected")
+
+
 def lookup(kind, namespace, name):
     objects = {
         ("Secret", "ns", "s"): {"data": {"password": base64.b64encode(b"hunter2").decode()}},
@@ -96,7 +100,7 @@ def test_quantities_read_as_kubernetes_writes_them():
 def test_a_memory_empty_dir_is_a_tmpfs_of_its_size_limit(tmp_path):
     def source(empty_dir):
         volume = {"name": "dshm", "emptyDir": empty_dir}
-        return podspec.volume_source(POD, volume, lookup, tmp_path, "")
+        return podspec.volume_source(POD, volume, lookup, tmp_path, no_token)
 
     assert source({"medium": "Memory", "sizeLimit": "512Mi"}) == {"source": None, "size": 512 << 20}
     assert source({"medium": "Memory"}) == {"source": None, "size": None}

@@ -154,10 +154,8 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
         if exc.transient:
             return Outcome(status={}, retry="temporary", error=str(exc))
         return _degraded("ApplyFailed", str(exc), generation, old_status, now, announce)
-    except CurveUnavailable as exc:
-        return _degraded("CurveUnavailable", str(exc), generation, old_status, now, announce)
-    except ForeignObject as exc:
-        return _degraded("ForeignObject", str(exc), generation, old_status, now, announce)
+    except (CurveUnavailable, ForeignObject) as exc:  # the reason is the class's name
+        return _degraded(type(exc).__name__, str(exc), generation, old_status, now, announce)
     replicas = desired_replicas(pool, held)
     deployments = {name: d for (kind, name), d in live.items() if kind == "Deployment"}
     status = pool_status(

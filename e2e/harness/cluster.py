@@ -8,14 +8,11 @@ files), with the epdserve operator installed by the real `helm` from charts/epds
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from controlplane import ControlPlane, tool
+from controlplane import ControlPlane
 from kapi import Api
 from kubelet import Kubelet, NodeConfig
 from netns import GATEWAY, PodNetwork
@@ -23,7 +20,6 @@ from services import ServiceRouting
 from svcproxy import ServiceProxy
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 OPERATOR_NS = "epdserve-system"
 
 
@@ -109,17 +105,7 @@ class LocalCluster:
 
     def helm(self, *args: str, check: bool = True, timeout: float = 300, stderr=False) -> str:
         """The real helm (tools/bin) against this cluster; returns stdout (and stderr)."""
-        env = {
-            "HOME": str(self.workdir / "helm-home"),
-            "PATH": os.environ.get("PATH", ""),
-            "KUBECONFIG": str(self.kubeconfig),
-            "HELM_CACHE_HOME": str(self.workdir / "helm-home" / "cache"),
-            "HELM_CONFIG_HOME": str(self.workdir / "helm-home" / "config"),
-            "HELM_DATA_HOME": str(self.workdir / "helm-home" / "data"),
-        }
-        done = subprocess.run(
-            [tool("helm"), *args], capture_output=True, text=True, timeout=timeout, env=env
-        )
+        done = self.control.helm(*args, timeout=timeout)
         if check and done.returncode != 0:
             raise AssertionError(f"helm {' '.join(args)} failed: {done.stderr}")
         return done.stdout + (done.stderr if stderr else "")
@@ -144,15 +130,7 @@ class LocalCluster:
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 120) -> str:
         """The real kubectl (tools/bin) as the cluster's admin; returns stdout."""
-        cmd = [
-            tool("kubectl"),
-            "--kubeconfig",
-            str(self.kubeconfig),
-            "--cache-dir",
-            str(self.workdir / "kubectl-cache"),
-            *args,
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = self.control.kubectl(*args, timeout=timeout)
         if check and done.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {done.stderr}")
         return done.stdout

@@ -102,6 +102,7 @@ class ControlPlane:
         self.port = free_port(address)
         self.server = f"https://{address}:{self.port}"
         self.components: dict[str, Component] = {}
+        self.node_kubeconfig: dict[str, Path] = {}
 
     def start(self, only: tuple[str, ...] = ORDER) -> ControlPlane:
         """Start the components in `only` (all by default; a CRD test needs only etcd and
@@ -122,7 +123,6 @@ class ControlPlane:
         self.admin = self.pki.kubeconfig("admin", self.server, "kubernetes-admin", "system:masters")
         kcm = self.pki.kubeconfig("kcm", self.server, "system:kube-controller-manager")
         sched = self.pki.kubeconfig("scheduler", self.server, "system:kube-scheduler")
-        self.node_kubeconfig = {}
         self._ssl = ssl.create_default_context(cafile=str(self.pki.ca))
         admin_cert = (self.pki.dir / "admin.crt", self.pki.dir / "admin.key")
         self._ssl.load_cert_chain(*map(str, admin_cert))
@@ -135,6 +135,23 @@ class ControlPlane:
             self.stop()  # nothing left running when a component fails to start
             raise
         return self
+
+    def kubectl(
+        self, *args: str, stdin: str | None = None, timeout: float = 120, cache: Path | None = None
+    ) -> subprocess.CompletedProcess:
+        """The real kubectl as the cluster's admin; `cache`: its discovery cache directory
+        (default: the control plane's own)."""
+        cache = cache or self.dir / "kubectl-cache"
+        argv = [tool("kubectl"), f"--kubeconfig={self.admin}", f"--cache-dir={cache}", *args]
+        return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
+
+    def helm(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """The real helm as the cluster's admin, with a home of its own (no user config)."""
+        home = self.dir / "helm-home"
+        env = {"HOME": str(home), "PATH": os.environ.get("PATH", ""), "KUBECONFIG": str(self.admin)}
+        env.update({f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")})
+        argv = [tool("helm"), *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
 
     def node_config(self, node: str) -> Path:
         """A kubeconfig for the kubelet of `node` (user system:node:NODE in system:nodes)."""

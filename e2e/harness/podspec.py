@@ -188,7 +188,7 @@ def volume_source(pod, volume, lookup, pod_dir: Path, token) -> dict:
     """Materialise one volume: {"source": host path} (readOnly optional), or for a memory
     emptyDir {"source": None, "size": its sizeLimit in bytes or None} (the kubelet's tmpfs).
     A claim resolves through the API to its bound PersistentVolume's hostPath or local path;
-    `token(pod, source)` gives a projected ServiceAccount token (or is the token itself)."""
+    `token(pod, source)` gives a projected ServiceAccount token."""
     namespace, name = pod["metadata"]["namespace"], volume["name"]
     where = pod_dir / "volumes" / name
     if "emptyDir" in volume:
@@ -235,8 +235,7 @@ def _projected(pod, projected: dict, lookup, token) -> dict[str, bytes]:
     for source in projected.get("sources") or []:
         if "serviceAccountToken" in source:
             request = source["serviceAccountToken"]
-            value = token(pod, request) if callable(token) else token
-            files[request.get("path", "token")] = value.encode()
+            files[request.get("path", "token")] = token(pod, request).encode()
         for kind, key in (("ConfigMap", "configMap"), ("Secret", "secret")):
             if key in source:
                 obj = lookup(kind, namespace, source[key]["name"]) or {}

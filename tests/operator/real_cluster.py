@@ -27,7 +27,7 @@ import yaml
 from k8s_cluster import FAST_OPERATOR, NS, ROOT, Clients, wait_for
 
 sys.path.insert(0, str(ROOT / "e2e" / "harness"))
-from controlplane import ControlPlane, MissingTools, tool  # noqa: E402
+from controlplane import ControlPlane, MissingTools  # noqa: E402
 
 from epdserve.operator.desired import OWNED_KINDS  # noqa: E402
 from epdserve.operator.kube import Kube  # noqa: E402
@@ -177,21 +177,12 @@ class RealCluster(Clients):
     def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> str:
         """The real kubectl (tools/bin) as the cluster's admin; stdout of a command that must
         succeed."""
-        cache = self.dir / "kubectl-cache"
-        argv = [tool("kubectl"), f"--kubeconfig={self.kubeconfig}", f"--cache-dir={cache}"]
-        done = subprocess.run(
-            [*argv, *args], input=stdin, capture_output=True, text=True, timeout=timeout
-        )
+        done = self.plane.kubectl(*args, stdin=stdin, timeout=timeout)
         assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
         return done.stdout
 
     def helm(self, *args: str) -> str:
-        home = self.dir / "helm-home"
-        env = {"HOME": str(home), "PATH": os.environ.get("PATH", "")}
-        env.update({f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")})
-        done = subprocess.run(
-            [tool("helm"), *args], capture_output=True, text=True, timeout=120, env=env
-        )
+        done = self.plane.helm(*args, timeout=120)
         assert done.returncode == 0, f"helm {' '.join(args)}: {done.stderr}"
         return done.stdout
 
