@@ -16,14 +16,11 @@ import json
 from pathlib import Path
 
 from epdserve.engine import serving_shapes
+from epdserve.engine.models import arch as registry
+from epdserve.engine.models.arch.base import SIZES, VOCAB  # noqa: F401  (the presets' shapes)
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = registry.make_model_families()
 PRESETS = ("tiny", "small", *serving_shapes.SHAPES)
-VOCAB = 4096
-
-# (hidden, layers, heads, kv_heads, head_dim, intermediate)
-SIZES = {"tiny": (128, 4, 4, 2, 32, 384), "small": (768, 8, 12, 4, 64, 2048)}
-SIZES.update(serving_shapes.SHAPES)
 
 
 def vocab_size(preset: str) -> int:
@@ -31,113 +28,9 @@ def vocab_size(preset: str) -> int:
     return serving_shapes.VOCAB if preset in serving_shapes.SHAPES else VOCAB
 
 
-def text_config_kwargs(arch: str, preset: str) -> dict:
-    hidden, layers, heads, kv, head_dim, inter = SIZES[preset]
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        initializer_range=0.05,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if arch == "llama":
-        # llama3 rope scaling with a short original context, so the scaling really bites
-        kw.update(
-            head_dim=head_dim,
-            tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 256,
-            },
-        )
-    elif arch == "qwen2":
-        kw.update(
-            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
-        )
-    elif arch == "qwen3":
-        kw.update(
-            head_dim=head_dim,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        )
-    if preset in serving_shapes.SHAPES:
-        kw.update(serving_shapes.config_overrides(arch, preset))
-    return kw
-
-
 def build_config(arch: str, preset: str, token_ids: dict[str, int]):
-    from transformers import (
-        Gemma3Config,
-        Gemma3TextConfig,
-        LlamaConfig,
-        Qwen2Config,
-        Qwen3Config,
-        SiglipVisionConfig,
-    )
-
-    if arch != "gemma3":
-        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-        cfg = cls(**text_config_kwargs(arch, preset))
-        cfg.architectures = [
-            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
-                arch
-            ]
-        ]
-        return cfg
-    hidden, layers, heads, kv, head_dim, inter = SIZES[preset]
-    n_layers = max(layers, 4)
-    # Sliding windows much shorter than test prompts, one global layer in four.
-    layer_types = [
-        "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n_layers)
-    ]
-    text = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden * 2,
-        intermediate_size=inter,
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim * 2,
-        query_pre_attn_scalar=head_dim * 2,
-        sliding_window=32,
-        layer_types=layer_types,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        initializer_range=0.05,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    vision = SiglipVisionConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=64,
-        patch_size=16,
-    )
-    cfg = Gemma3Config(
-        text_config=text,
-        vision_config=vision,
-        mm_tokens_per_image=4,
-        boi_token_index=token_ids["boi"],
-        eoi_token_index=token_ids["eoi"],
-        image_token_index=token_ids["image"],
-        initializer_range=0.05,
-    )
-    cfg.architectures = ["Gemma3ForConditionalGeneration"]
-    return cfg
+    """The transformers config of ``arch``'s ``preset`` checkpoint (the registry's)."""
+    return registry.by_family(arch).hf_config(preset, token_ids)
 
 
 def make_model(
@@ -154,10 +47,13 @@ def make_model(
         raise ValueError(f"arch: unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     if preset not in PRESETS:
         raise ValueError(f"preset: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    image = arch == "gemma3"
+    family = registry.by_family(arch)
+    image = family.image
     large = preset in serving_shapes.SHAPES
-    if large and (image or lora):
+    if large and (preset not in family.presets or lora):
         raise ValueError(f"preset: {preset} is for text architectures without --lora")
+    if preset not in family.presets:
+        raise ValueError(f"preset: {arch} takes {', '.join(family.presets)}, not {preset}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = tt.train_tokenizer(vocab_size(preset), with_image_tokens=image)

@@ -44,9 +44,10 @@ def adapter_config(rank: int, alpha: int, base: str) -> dict:
 
 
 def key_prefix(family: str) -> str:
-    if family == "gemma3":
-        return "base_model.model.model.language_model."
-    return "base_model.model.model."
+    """Where the architecture's PEFT adapters keep its layers (the registry says)."""
+    from epdserve.engine.models import arch as registry
+
+    return registry.by_family(family).lora_prefix
 
 
 def write_random_adapters(

@@ -8,9 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from epdserve.engine.models.config import ModelConfig, load_model_config
-from epdserve.engine.models.decoder import DecoderLM
-from epdserve.engine.models.gemma3 import Gemma3LM, load_gemma3_weights
+from epdserve.engine.models.config import architecture_of, load_model_config
 from epdserve.engine.models.layers import (
     Shard,
     ShardedWeights,
@@ -73,25 +71,10 @@ def load_model(
     kernels = get_backend(attention_backend, device)
     reader = CheckpointReader(model_dir)
     w = ShardedWeights(reader, _prefix(reader), config, shard, dtype, device)
-    cls = Gemma3LM if config.family == "gemma3" else DecoderLM
-    model = cls(shard_config(config, shard), dtype, device, max_positions, kernels)
+    arch = architecture_of(config)
+    model = arch.model_cls()(shard_config(config, shard), dtype, device, max_positions, kernels)
     model.tp, model.vocab_start = tp, shard.vocab(config.vocab_size)[0]
-    if config.family == "gemma3":
-        load_gemma3_weights(model, w)
-        model.pack_weights()
-        return model
-    model.embed = w.vocab("embed_tokens.weight")
-    model.final_norm = w.full("norm.weight")
-    if reader.has("lm_head.weight") and not config.tie_word_embeddings:
-        model.lm_head = ShardedWeights(reader, "", config, shard, dtype, device).vocab(
-            "lm_head.weight"
-        )
-    elif config.tie_word_embeddings:
-        model.lm_head = model.embed
-    else:
-        raise ValueError("model: checkpoint is missing tensor 'lm_head.weight'")
-    for i, layer in enumerate(model.layers):
-        _load_layer(layer, f"layers.{i}.", w, config)
+    arch.load_weights(model, w)
     model.pack_weights()
     return model
 
@@ -101,24 +84,6 @@ def _prefix(reader: CheckpointReader) -> str:
         if reader.has(candidate + "embed_tokens.weight"):
             return candidate
     raise ValueError("model: checkpoint is missing tensor 'model.embed_tokens.weight'")
-
-
-def _load_layer(layer, p: str, w: ShardedWeights, config: ModelConfig) -> None:
-    """One layer's weights, this rank's slices (``config``: the whole model's)."""
-    attn = p + "self_attn."
-    layer.qkv_w = w.qkv(attn, "weight")
-    if config.qkv_bias:
-        layer.qkv_b = w.qkv(attn, "bias")
-    layer.o_w = w.row(attn + "o_proj.weight", config.q_size)
-    if config.qk_norm:
-        layer.q_norm = w.full(attn + "q_norm.weight")
-        layer.k_norm = w.full(attn + "k_norm.weight")
-    layer.gate_up_w = torch.cat(
-        [w.column(p + "mlp.gate_proj.weight"), w.column(p + "mlp.up_proj.weight")]
-    )
-    layer.down_w = w.row(p + "mlp.down_proj.weight", config.intermediate_size)
-    layer.in_norm = w.full(p + "input_layernorm.weight")
-    layer.mlp_norm = w.full(p + "post_attention_layernorm.weight")  # the norm before the MLP
 
 
 def load_vision_encoder(model_dir: str | Path, dtype: torch.dtype, device: torch.device):
