@@ -62,6 +62,14 @@ def pool(cluster, tmp_path_factory):
     cluster.kubectl("delete", "ipool", NAME, "--ignore-not-found", check=False)
 
 
+def diagnose(cluster) -> str:
+    """What a failure message needs: the router pod's restarts and its log's last lines."""
+    pods = [cluster.api.get("Pod", NS, n) for n in pod_names(cluster, ROUTER)]
+    restarts = [c["restartCount"] for p in pods for c in p["status"]["containerStatuses"]]
+    tail = router_log(cluster).splitlines()[-40:]
+    return f"router restarts {restarts}; router log:\n" + "\n".join(tail)
+
+
 def router_log(cluster) -> str:
     return "".join(cluster.log(NS, n) for n in pod_names(cluster, ROUTER))
 
@@ -129,7 +137,11 @@ def test_a_killed_engine_is_restarted_and_no_unstarted_request_fails(pool):
         wait_for(lambda: len(load.results) >= done + 6, 120, "traffic after the restart")
     assert log
     unstarted_failures = [err for started, err in load.results if err and not started]
-    assert not unstarted_failures, unstarted_failures
+    assert not unstarted_failures, (
+        len(unstarted_failures),
+        unstarted_failures[:3],
+        diagnose(cluster),
+    )
     assert sum(1 for _, err in load.results if not err) >= 12
 
 
