@@ -1,13 +1,14 @@
 """Kernel backends: the one dispatcher of the ops a decoder calls (paged attention, cache
-write, RMSNorm, rotary embedding), a small registry of classes chosen by name and device.
+write, RMSNorm, rotary embedding, fused mixture of experts), a small registry of classes
+chosen by name and device.
 
 - ``triton``: the Triton kernels (paged prefill with cached prefixes, decode, sliding window,
-  soft cap, cache write, RMSNorm, rotary). CUDA tensors, or CPU tensors under
-  ``TRITON_INTERPRET=1`` (correctness only: 30-500x slower than torch).
+  soft cap, cache write, RMSNorm, rotary, fused MoE by expert tiles). CUDA tensors, or CPU
+  tensors under ``TRITON_INTERPRET=1`` (correctness only: 30-500x slower than torch).
 - ``native``: the torch twins, with the C kernels (``native.py``) where they take the
   tensors: decode attention, prefill attention over a cached prefix or chunk (plain
   prompts stay on SDPA's causal kernel), RMSNorm and rotary (each within the twin's
-  stated numerics).
+  stated numerics); mixture-of-experts grouped by expert, weights prepacked (``moe_ref``).
 - ``torch``: the torch twins alone (SDPA prefill, batched padded decode): the reference.
 
 The model picks one at load (``get_backend``); ``default_backend(device)`` is ``triton`` on
@@ -29,6 +30,7 @@ from epdserve.kernels import native
 from epdserve.kernels.attention_ref import paged_attention_ref
 from epdserve.kernels.cache_ref import reshape_and_cache_ref
 from epdserve.kernels.checks import check_reshape_and_cache, check_rms_norm, check_rotary
+from epdserve.kernels.moe_ref import fused_moe_grouped, fused_moe_ref
 from epdserve.kernels.norm_ref import rms_norm_ref
 from epdserve.kernels.rotary_ref import rotary_embedding_ref
 
@@ -96,6 +98,19 @@ class KernelBackend(ABC):
 
         Mutates ``q`` and ``k`` in place and returns them."""
 
+    @abstractmethod
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each token's routed SwiGLU experts, summed by their routing weights: a new
+        ``[T, H]`` in ``x``'s dtype (``w13 [E, 2I, H]`` gate|up, ``w2 [E, H, I]``; semantics
+        and numerics as ``moe_ref`` says). Mutates nothing."""
+
 
 class TritonBackend(KernelBackend):
     name = "triton"
@@ -120,6 +135,11 @@ class TritonBackend(KernelBackend):
 
         return rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox)
 
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids):
+        from epdserve.kernels.moe_triton import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+
 
 class TorchBackend(KernelBackend):
     name = "torch"
@@ -135,6 +155,9 @@ class TorchBackend(KernelBackend):
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
         return rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids):
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
 class NativeBackend(TorchBackend):
@@ -161,6 +184,9 @@ class NativeBackend(TorchBackend):
         if native.rotary_supports(positions, q, k, cos_sin_cache):
             return native.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
         return rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids):
+        return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids)  # experts' packed weights
 
 
 _CLASSES: dict[str, type[KernelBackend]] = {
