@@ -25,6 +25,7 @@ ROLES = ("both", "encoder", "prefill", "decode")
 BACKENDS = ("triton", "native", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uni", "mp")  # vLLM's --scheduling-policy
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")  # models.quant.METHODS
 ROLE_NEEDS = {"prefill": ("is_producer", "kv_producer"), "decode": ("is_consumer", "kv_consumer")}
 
 
@@ -122,6 +123,12 @@ class EngineConfig:
         "(default: uni at --tensor-parallel-size 1, mp above)",
         choices=EXECUTOR_BACKENDS,
     )
+    quantization: str | None = setting(
+        None,
+        "the checkpoint's weight quantization: fp8, compressed-tensors, gptq or awq (default: "
+        "its config.json quantization_config decides; a value that contradicts it is refused)",
+        choices=QUANTIZATION_METHODS,
+    )
     # the checkpoint's content digest, read once at start (kv_transfer/setup.resolve_identity)
     model_digest: str | None = None
 
@@ -166,6 +173,7 @@ class EngineConfig:
             check_backend(self.attention_backend, self.device)
         self._check_role()
         self._check_parallel()
+        self._check_quantization()
         from epdserve.engine.lora.settings import check_lora_settings
 
         check_lora_settings(self)
@@ -205,6 +213,19 @@ class EngineConfig:
                 f"distributed_executor_backend: uni runs one rank; --tensor-parallel-size {tp} "
                 "needs mp"
             )
+
+    def _check_quantization(self) -> None:
+        """A flag that contradicts the checkpoint fails the start, before any process."""
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}"
+            )
+        if os.path.isfile(os.path.join(self.model, "config.json")):
+            from epdserve.engine.models.config import load_model_config
+            from epdserve.engine.models.quant import resolve
+
+            resolve(load_model_config(self.model).quantization, self.quantization)
 
     def _check_role(self) -> None:
         if self.role not in ROLES:

@@ -11,7 +11,8 @@ at 1-64 rows (decode); where the CPU has AMX, oneDNN's blocked kernels are its A
 Only bf16 CPU weights are packed, and only where torch's oneDNN supports bf16; anything else
 stays a plain tensor and runs ``F.linear``. ``EPDSERVE_PACKED_LINEAR=0`` turns packing off
 (to measure with and without). A packed weight is an opaque oneDNN tensor: code that needs the
-plain values (a tied embedding, a bench) keeps its own plain tensor.
+plain values (a tied embedding, a bench) keeps its own plain tensor. Quantized weights
+(int4, fp8: ``quant_linear``) keep their own kernels; :func:`linear` dispatches on them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from epdserve.kernels import quant_linear
+from epdserve.kernels.quant_linear import QuantizedWeight
 
 # the row count oneDNN is told to expect; measured here, the choice between 1 and 2,048
 # moves no shape by more than noise, and 64 is a decode batch
@@ -40,14 +44,19 @@ def packing_enabled(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
     """``weight`` ``[N, K]`` in oneDNN's blocked layout where :func:`packing_enabled`, else as is.
 
-    The packed tensor replaces the plain one (same memory); drop the plain one after."""
+    The packed tensor replaces the plain one (same memory); drop the plain one after. A
+    quantized weight (``quant_linear``) is readied for its own kernel instead."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear.pack(weight)
     if weight is None or not packing_enabled(weight):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``x @ weight.T + bias`` for a plain or a packed ``weight``."""
+    """``x @ weight.T + bias`` for a plain, a packed or a quantized ``weight``."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear.quant_linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

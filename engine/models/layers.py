@@ -51,6 +51,9 @@ class Shard:
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     """Refuse a TP size the model cannot be split by (``ValueError`` naming the flag)."""
+    from epdserve.engine.models.moe_weights import check_moe_tensor_parallel
+
+    check_moe_tensor_parallel(cfg, tp)  # the experts' intermediate sizes
     kv = cfg.num_kv_heads
     why = None
     if cfg.num_heads % tp:
@@ -77,19 +80,45 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
 
 class ShardedWeights:
     """This rank's slice of each checkpoint tensor, on the device in the model dtype.
-    ``reader`` is a ``loader.CheckpointReader``; names are given without ``prefix``."""
+    ``reader`` is a ``loader.CheckpointReader``; names are given without ``prefix``.
 
-    def __init__(self, reader, prefix: str, cfg: ModelConfig, shard: Shard, dtype, device):
+    With a ``quant`` method (``models.quant``), a linear layer's ``...proj.weight`` that the
+    checkpoint holds quantized comes back as a ``kernels.quant_linear`` weight, sliced the
+    same way (row-parallel slices must be whole quantization groups)."""
+
+    def __init__(
+        self, reader, prefix: str, cfg: ModelConfig, shard: Shard, dtype, device, quant=None
+    ):
         self.reader, self.prefix, self.cfg, self.shard = reader, prefix, cfg, shard
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.quant = dtype, device, quant
 
     def _to(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _quantized(self, name: str, rows=None, cols=None):
+        """The quantized weight of ``name`` (rows / cols: ``[start, end)``), or None where
+        ``name`` is not a weight the checkpoint holds quantized."""
+        if self.quant is None or not name.endswith(".weight"):
+            return None
+        base = self.prefix + name[: -len(".weight")]
+        if not self.quant.quantizes(self.reader, base):
+            return None
+        from epdserve.engine.models.quant import on_device
+        from epdserve.kernels.quant_linear import slice_rows
+
+        w = self.quant.read(self.reader, base, cols, self.dtype)
+        return on_device(w if rows is None else slice_rows(w, *rows), self.device)
 
     def _rows(self, name: str, start: int, end: int) -> torch.Tensor:
         if self.shard.size == 1:
             return self.reader.get(self.prefix + name)
         return self.reader.get_slice(self.prefix + name)[start:end]
+
+    def _row_slice(self, name: str, start: int, end: int):
+        """Rows ``start..end`` of ``name`` on the device: quantized where the checkpoint is."""
+        rows = None if self.shard.size == 1 else (start, end)
+        quantized = self._quantized(name, rows=rows)
+        return quantized if quantized is not None else self._to(self._rows(name, start, end))
 
     def full(self, name: str) -> torch.Tensor:
         return self._to(self.reader.get(self.prefix + name))
@@ -102,13 +131,13 @@ class ShardedWeights:
         """This rank's query heads' rows (a weight or a bias)."""
         d = self.cfg.head_dim
         start, end = self.shard.split(self.cfg.num_heads)
-        return self._to(self._rows(name, start * d, end * d))
+        return self._row_slice(name, start * d, end * d)
 
     def kv(self, name: str) -> torch.Tensor:
         """This rank's KV heads' rows."""
         d = self.cfg.head_dim
         first, count = self.shard.kv_heads(self.cfg.num_kv_heads)
-        return self._to(self._rows(name, first * d, (first + count) * d))
+        return self._row_slice(name, first * d, (first + count) * d)
 
     def qkv(self, attn: str, kind: str = "weight") -> torch.Tensor:
         """Fused q|k|v of this rank (``attn``: the layer's ``...self_attn.`` prefix)."""
@@ -118,13 +147,17 @@ class ShardedWeights:
     def column(self, name: str) -> torch.Tensor:
         """Column-parallel: an even share of the output rows (gate, up)."""
         n = self.cfg.intermediate_size
-        return self._to(self._rows(name, *self.shard.split(n)))
+        return self._row_slice(name, *self.shard.split(n))
 
     def row(self, name: str, in_features: int) -> torch.Tensor:
         """Row-parallel: an even share of the input columns (o, down)."""
+        cols = None if self.shard.size == 1 else self.shard.split(in_features)
+        quantized = self._quantized(name, cols=cols)
+        if quantized is not None:
+            return quantized
         if self.shard.size == 1:
             return self.full(name)
-        start, end = self.shard.split(in_features)
+        start, end = cols
         return self._to(self.reader.get_slice(self.prefix + name)[:, start:end])
 
     def vocab(self, name: str) -> torch.Tensor:

@@ -15,6 +15,7 @@ from epdserve.engine.models.layers import (
     check_tensor_parallel,
     shard_config,
 )
+from epdserve.engine.models.quant import resolve as resolve_quantization
 from epdserve.engine.worker.parallel import TPGroup
 from epdserve.kernels.backends import get_backend
 
@@ -60,17 +61,21 @@ def load_model(
     max_positions: int,
     attention_backend: str | None = None,
     tp: TPGroup | None = None,
+    quantization: str | None = None,
 ):
     """The decoder of ``model_dir`` on ``device``, its kernels from ``attention_backend``
     (``triton`` | ``native`` | ``torch``; None: ``backends.default_backend(device)``); under
-    a tensor-parallel group ``tp``, this rank's slice of it (``layers``)."""
+    a tensor-parallel group ``tp``, this rank's slice of it (``layers``). A quantized
+    checkpoint's linear layers stay quantized (``models.quant``; ``quantization``: the
+    engine setting, None: the checkpoint's ``quantization_config`` decides)."""
     config = load_model_config(model_dir)
+    quant = resolve_quantization(config.quantization, quantization)
     tp = tp or TPGroup()
     shard = Shard(tp.rank, tp.size)
     check_tensor_parallel(config, tp.size)
     kernels = get_backend(attention_backend, device)
     reader = CheckpointReader(model_dir)
-    w = ShardedWeights(reader, _prefix(reader), config, shard, dtype, device)
+    w = ShardedWeights(reader, _prefix(reader), config, shard, dtype, device, quant)
     arch = architecture_of(config)
     model = arch.model_cls()(shard_config(config, shard), dtype, device, max_positions, kernels)
     model.tp, model.vocab_start = tp, shard.vocab(config.vocab_size)[0]

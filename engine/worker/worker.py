@@ -73,7 +73,13 @@ class Worker:
             )
         max_len = max(cfg.max_model_len, model_cfg.max_position_embeddings)
         self.model = load_model(
-            cfg.model, self.dtype, self.device, max_len, cfg.attention_backend, self.tp
+            cfg.model,
+            self.dtype,
+            self.device,
+            max_len,
+            cfg.attention_backend,
+            self.tp,
+            cfg.quantization,
         )
         if self.tp.is_output:  # images are encoded, loaded and stored by the output rank
             self.vision_encoder = load_vision_encoder(cfg.model, self.dtype, self.device)
