@@ -9,6 +9,7 @@ import msgspec
 
 from epdserve.engine.lora.manager import LoRAManager
 from epdserve.engine.lora.request import LoRARequest
+from epdserve.engine.lora.settings import check_lora_architecture
 
 if TYPE_CHECKING:
     from epdserve.engine.config import EngineConfig
@@ -21,6 +22,7 @@ def make_manager(config: EngineConfig, model_cfg: ModelConfig) -> LoRAManager | 
     """The core's adapters (None unless ``enable_lora``)."""
     if not config.enable_lora:
         return None
+    check_lora_architecture(model_cfg)  # a model dir resolved after the config was checked
     return LoRAManager(
         model_cfg, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras
     )

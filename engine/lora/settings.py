@@ -60,6 +60,20 @@ def check_lora_settings(config: EngineConfig) -> None:
         raise ValueError(f"lora_modules: adapter names must be unique, got {names}")
     if modules and not config.enable_lora:
         raise ValueError("lora_modules: adapters given, but enable_lora is off (--enable-lora)")
+    if config.enable_lora and os.path.isfile(os.path.join(config.model, "config.json")):
+        from epdserve.engine.models.config import load_model_config
+
+        check_lora_architecture(load_model_config(config.model))  # before any process starts
     vllm_switch = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower()
     if not config.allow_runtime_lora_updating and vllm_switch in TRUE:
         object.__setattr__(config, "allow_runtime_lora_updating", True)
+
+
+def check_lora_architecture(model_cfg) -> None:
+    """Refuse ``enable_lora`` for an architecture LoRA adapters cannot apply to (its
+    registry entry's ``lora_refusal``: the mixture-of-experts models)."""
+    from epdserve.engine.models.config import architecture_of
+
+    why = architecture_of(model_cfg).lora_refusal
+    if why:
+        raise ValueError(f"enable_lora: {why}")
