@@ -62,8 +62,24 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
         why = f"the model's {kv} KV heads (nor do they divide it)"
     elif cfg.intermediate_size % tp:
         why = f"the model's intermediate size {cfg.intermediate_size}"
+    else:
+        why = _split_groups(cfg, tp)
     if why is not None:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide {why}")
+
+
+def _split_groups(cfg: ModelConfig, tp: int) -> str | None:
+    """Why a row-parallel slice at ``tp`` would split a quantization group (None: it won't)."""
+    from epdserve.engine.models.quant import input_group
+
+    group = input_group(cfg.quantization)
+    for what, k in (("attention width", cfg.q_size), ("intermediate size", cfg.intermediate_size)):
+        if group and (k // tp) % group:
+            return (
+                f"the model's {what} {k} into whole quantization groups of {group} input "
+                f"columns (a rank's slice would hold {k // tp})"
+            )
+    return None
 
 
 def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:

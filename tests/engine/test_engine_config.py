@@ -39,7 +39,7 @@ SERVE_DEFAULTS = {
     "enable_lora": False, "lora_modules": [], "max_loras": 1, "max_lora_rank": 16,
     "max_cpu_loras": None, "allow_runtime_lora_updating": False,
     "enable_auto_tool_choice": False, "tool_call_parser": None,
-    "tensor_parallel_size": 1, "distributed_executor_backend": None,
+    "tensor_parallel_size": 1, "distributed_executor_backend": None, "quantization": None,
 }  # fmt: skip
 REDIS = {"kv_connector": "RedisConnector", "kv_connector_extra_config": {"url": "redis://h/0"}}
 EC = {"ec_connector": "SharedStorageECConnector", "ec_connector_extra_config": {"path": "/x"}}

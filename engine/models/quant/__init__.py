@@ -49,11 +49,13 @@ def read_tensor(reader, name: str, cols=None, cols_dim: int = 1) -> torch.Tensor
     return view[cols[0] : cols[1]] if cols_dim == 0 else view[:, cols[0] : cols[1]]
 
 
-def int_field(raw: dict, key: str, method: str, allowed=None) -> int:
+def int_field(raw: dict, key: str, method: str, allowed=None, where: str = "") -> int:
+    """``raw[key]``, an integer (of ``allowed``); else an error naming
+    ``quantization_config.<where><key>``."""
     value = raw.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or (allowed and value not in allowed):
         want = f"one of {sorted(allowed)}" if allowed else "an integer"
-        raise ValueError(f"quantization_config.{key}: {method} needs {want}, got {value!r}")
+        raise ValueError(f"quantization_config.{where}{key}: {method} needs {want}, got {value!r}")
     return value
 
 
@@ -92,6 +94,23 @@ def resolve(raw: dict, flag: str | None = None) -> QuantMethod | None:
         "compressed-tensors": fp8.CompressedFP8,
     }
     return build[method](raw)
+
+
+def input_group(raw: dict) -> int | None:
+    """How many input columns share a scale in a checkpoint of ``raw`` quantization_config
+    (a row-parallel rank's slice must be whole groups); None: whole rows or no groups."""
+    method = str(raw.get("quant_method", "")).lower() if isinstance(raw, dict) else ""
+    if method in ("gptq", "awq"):
+        group = raw.get("group_size", raw.get("q_group_size"))
+        return group if isinstance(group, int) and group > 0 else None
+    if method == "fp8" and isinstance(raw.get("weight_block_size"), list):
+        return raw["weight_block_size"][-1]
+    if method == "compressed-tensors":
+        for group in (raw.get("config_groups") or {}).values():
+            block = (group.get("weights") or {}).get("block_structure")
+            if isinstance(block, list) and block:
+                return block[-1]
+    return None
 
 
 def on_device(w, device: torch.device):

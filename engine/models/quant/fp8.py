@@ -132,7 +132,7 @@ class CompressedFP8(FP8Checkpoint):
         weights = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(weights, dict):
             raise ValueError(f"quantization_config.{where}.weights: missing")
-        int_field(weights, "num_bits", "compressed-tensors fp8", {8})
+        int_field(weights, "num_bits", "compressed-tensors fp8", {8}, f"{where}.weights.")
         if weights.get("type") != "float":
             raise ValueError(
                 f"quantization_config.{where}.weights.type: float (fp8) is supported, got "

@@ -92,11 +92,12 @@ def fp8_tensors(w, strategy: str, static: bool = False) -> tuple[dict, torch.Ten
 
 def config_for(method: str, **opts) -> dict:
     if method == "gptq":
-        fmt = "gptq_v2" if opts.get("v2") else "gptq"
-        return dict(quant_method="gptq", bits=4, group_size=GROUP, desc_act=False,
+        fmt, group = "gptq_v2" if opts.get("v2") else "gptq", opts.get("group", GROUP)
+        return dict(quant_method="gptq", bits=4, group_size=group, desc_act=False,
                     sym=opts.get("sym", True), checkpoint_format=fmt, damp_percent=0.01)  # fmt: skip
     if method == "awq":
-        return dict(quant_method="awq", bits=4, group_size=GROUP, zero_point=True, version="gemm")
+        group = opts.get("group", GROUP)
+        return dict(quant_method="awq", bits=4, group_size=group, zero_point=True, version="gemm")
     if method == "fp8":
         return dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
                     weight_block_size=BLOCK)  # fmt: skip
@@ -114,9 +115,10 @@ def config_for(method: str, **opts) -> dict:
 
 def layer_tensors(method: str, w: torch.Tensor, **opts) -> tuple[dict, torch.Tensor]:
     if method == "gptq":
-        return gptq_tensors(w, sym=opts.get("sym", True), v2=opts.get("v2", False))
+        group = opts.get("group", GROUP)
+        return gptq_tensors(w, group, sym=opts.get("sym", True), v2=opts.get("v2", False))
     if method == "awq":
-        return awq_tensors(w)
+        return awq_tensors(w, opts.get("group", GROUP))
     if method == "fp8":
         tensors, deq = fp8_tensors(w, "block")
         tensors["weight_scale_inv"] = tensors.pop("weight_scale")
@@ -126,8 +128,8 @@ def layer_tensors(method: str, w: torch.Tensor, **opts) -> tuple[dict, torch.Ten
 
 def write_quantized(src, dst, method: str, dequantized=None, dtype=None, **opts) -> Path:
     """``dst``: ``src`` with its decoder linear layers in ``method``'s layout (``opts``:
-    ``sym``/``v2`` for gptq, ``strategy``/``static`` for compressed-tensors); other tensors
-    keep their values, in ``dtype`` where given."""
+    ``group`` for the int4 formats, ``sym``/``v2`` for gptq, ``strategy``/``static`` for
+    compressed-tensors); other tensors keep their values, in ``dtype`` where given."""
     src, dst = Path(src), Path(dst)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors*"))
     if dequantized is not None:

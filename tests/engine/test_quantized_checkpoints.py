@@ -1,0 +1,138 @@
+"""Quantized checkpoints (GPTQ, AWQ, block FP8, compressed-tensors FP8), written by the test in
+each format's on-disk layout from a tiny random checkpoint: the engine (fp32, weights kept
+quantized) generates, token for token, what transformers generates from a plain fp32
+checkpoint of the dequantized weights, under chunked prefill and a prefix-cache hit; at TP 2
+too. The int4 products run torch's packed CPU kernel (fp32 here: its dequantized weight is the
+reference's to 1 ulp); the fp8 ones upcast the fp8 weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest_helpers import MAX_NEW, assert_no_leak, make_prompts
+
+from epdserve.engine import LLM, SamplingParams
+from epdserve.engine.models.loader import load_model
+from epdserve.engine.models.quant.write import write_quantized
+from epdserve.kernels.quant_linear import FP8Weight, Int4Weight
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+CPU = torch.device("cpu")
+
+# (architecture, format, writer options, the weight kind it loads as)
+FORMATS = {
+    "gptq-sym": ("llama", "gptq", {}, Int4Weight),
+    "gptq-asym": ("qwen3", "gptq", {"sym": False}, Int4Weight),
+    "awq": ("qwen2", "awq", {}, Int4Weight),
+    "fp8-block": ("qwen3", "fp8", {}, FP8Weight),
+    "ct-fp8-channel": ("llama", "compressed-tensors", {"strategy": "channel"}, FP8Weight),
+    "ct-fp8-tensor-static": (
+        "qwen2",
+        "compressed-tensors",
+        {"strategy": "tensor", "static": True},
+        FP8Weight,
+    ),
+}
+SLOW = {"gptq-asym", "ct-fp8-tensor-static"}  # the same code paths as the others, in CI's slow run
+
+
+def written(models, tmp_path, key: str):
+    """``(quantized dir, dequantized fp32 dir)`` of ``FORMATS[key]``."""
+    arch, method, opts, _ = FORMATS[key]
+    src = models.get(arch)
+    dst, deq = tmp_path / key, tmp_path / f"{key}-dequantized"
+    write_quantized(src, dst, method, dequantized=deq, **opts)
+    return dst, deq
+
+
+def tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize(
+    "key", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in FORMATS]
+)
+def test_a_quantized_checkpoint_generates_what_transformers_does_with_its_dequantized_weights(
+    models, hf_reference, tmp_path, key
+):
+    path, dequantized = written(models, tmp_path, key)
+    prompts = make_prompts(6, seed=3)
+    expected = hf_reference.greedy(dequantized, prompts)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=512, max_num_batched_tokens=16)
+    layer = llm.engine.executor.worker.model.layers[0]
+    assert all(isinstance(w, FORMATS[key][3]) for w in (layer.qkv_w, layer.gate_up_w, layer.o_w))
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    assert tokens(llm.generate(inputs, GREEDY)) == expected  # chunked prefill (16-token steps)
+    again = llm.generate(inputs, GREEDY)
+    assert tokens(again) == expected
+    assert any(o.num_cached_tokens > 0 for o in again)  # served from the prefix cache
+    assert_no_leak(llm)
+
+
+def test_a_gptq_checkpoint_at_tp2_generates_what_transformers_does(models, hf_reference, tmp_path):
+    src = models.get("llama")
+    path, deq = tmp_path / "g64", tmp_path / "g64-deq"
+    write_quantized(src, path, "gptq", dequantized=deq, group=64, sym=False)  # 64: whole groups
+    prompts = make_prompts(4, seed=4)
+    llm = LLM(model=str(path), dtype="float32", tensor_parallel_size=2, max_model_len=256)
+    assert tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)) == (
+        hf_reference.greedy(deq, prompts)
+    )
+    llm.engine.close()
+
+
+def test_a_rank_slice_of_a_quantized_weight_is_the_slice_of_its_dequantized_weight(
+    models, tmp_path
+):
+    from epdserve.engine.models.config import load_model_config
+    from epdserve.engine.models.layers import Shard, ShardedWeights
+    from epdserve.engine.models.loader import CheckpointReader
+    from epdserve.engine.models.quant import resolve
+
+    path, deq = tmp_path / "g64", tmp_path / "g64-deq"
+    write_quantized(models.get("llama"), path, "gptq", dequantized=deq, group=64)
+    cfg = load_model_config(path)
+    quant, reader, plain = resolve(cfg.quantization), CheckpointReader(path), CheckpointReader(deq)
+    p = "model.layers.1."
+    for rank in (0, 1):
+        w = ShardedWeights(reader, "model.", cfg, Shard(rank, 2), torch.float32, CPU, quant)
+        ref = ShardedWeights(plain, "model.", cfg, Shard(rank, 2), torch.float32, CPU)
+        down = w.row("layers.1.mlp.down_proj.weight", cfg.intermediate_size)
+        assert isinstance(down, Int4Weight) and down.shape == (128, 192)
+        torch.testing.assert_close(
+            down.dequantize(), ref.row("layers.1.mlp.down_proj.weight", 384), rtol=0, atol=1e-6
+        )
+        qkv = w.qkv(p[len("model.") :] + "self_attn.")
+        torch.testing.assert_close(
+            qkv.dequantize(), ref.qkv("layers.1.self_attn."), rtol=0, atol=1e-6
+        )
+
+
+def test_a_rank_slice_that_splits_a_quantization_group_is_refused(models, tmp_path):
+    path = write_quantized(models.get("llama"), tmp_path / "g128", "gptq")  # o: 128 = one group
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 does not divide .*groups of 128"):
+        LLM(model=str(path), dtype="float32", tensor_parallel_size=2)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the decoder layers' matrix-product weights."""
+    total = 0
+    for layer in model.layers:
+        for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
+            total += w.nbytes if hasattr(w, "tensors") else w.numel() * w.element_size()
+    return total
+
+
+def test_int4_weights_take_about_a_quarter_of_the_bf16_weights_memory(
+    models, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("EPDSERVE_PACKED_LINEAR", "0")  # plain bf16 tensors: numel * 2 bytes
+    src = models.get("qwen3")
+    path = write_quantized(src, tmp_path / "gptq", "gptq", dtype=torch.bfloat16)
+    bf16 = weight_bytes(load_model(src, torch.bfloat16, CPU, 256))
+    int4_model = load_model(path, torch.bfloat16, CPU, 256)
+    assert isinstance(int4_model.layers[0].qkv_w, Int4Weight)
+    assert int4_model.layers[0].qkv_w.packed is not None  # the CPU kernel's form
+    ratio = weight_bytes(int4_model) / bf16
+    # 4 bits a weight plus a bf16 scale and offset per 128: (64 + 4) / 256 bytes
+    assert 0.25 <= ratio <= 0.27, ratio
