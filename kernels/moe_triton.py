@@ -110,7 +110,8 @@ def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     flat = topk_ids.reshape(-1).long()
     num_pairs, device = flat.numel(), flat.device
     max_tiles = -(-num_pairs // block_m) + num_experts
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount reads its max on the host
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
