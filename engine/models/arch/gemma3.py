@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.engine.models.arch import Architecture
-from epdserve.engine.models.arch.base import SIZES, VOCAB, common_fields
+from epdserve.engine.models.arch.base import SIZES, VOCAB, common_fields, load_embeddings
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.decoder import DecoderLM
 from epdserve.engine.models.layers import ShardedWeights
@@ -48,15 +48,16 @@ class Gemma3LM(DecoderLM):
 
 
 def load_gemma3_weights(model: Gemma3LM, w: ShardedWeights) -> None:
-    """This rank's slice of every weight; norms are fp32 ``1 + w``."""
-    model.embed = w.vocab("embed_tokens.weight")
-    model.lm_head = model.embed
+    """This rank's slice of every weight; norms are fp32 ``1 + w``. Gemma2 loads with it too:
+    its config has no q/k norms and may untie the LM head."""
+    load_embeddings(model, w)  # the embedding, and the LM head (the embedding where tied)
     model.final_norm = w.norm("norm.weight")
     for i, layer in enumerate(model.layers):
         p, a = f"layers.{i}.", f"layers.{i}.self_attn."
         layer.qkv_w = w.qkv(a)
         layer.o_w = w.row(a + "o_proj.weight", w.cfg.q_size)
-        layer.q_norm, layer.k_norm = w.norm(a + "q_norm.weight"), w.norm(a + "k_norm.weight")
+        if w.cfg.qk_norm:
+            layer.q_norm, layer.k_norm = w.norm(a + "q_norm.weight"), w.norm(a + "k_norm.weight")
         layer.gate_up_w = torch.cat(
             [w.column(p + "mlp.gate_proj.weight"), w.column(p + "mlp.up_proj.weight")]
         )
