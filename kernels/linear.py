@@ -47,7 +47,9 @@ def pack(weight: torch.Tensor | None) -> torch.Tensor | None:
     The packed tensor replaces the plain one (same memory); drop the plain one after. A
     quantized weight (``quant_linear``) is readied for its own kernel instead."""
     if isinstance(weight, QuantizedWeight):
-        return quant_linear.pack(weight)
+        weight = quant_linear.pack(weight)  # or, an fp8 weight on a CPU, dequantized
+        if isinstance(weight, QuantizedWeight):
+            return weight
     if weight is None or not packing_enabled(weight):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)

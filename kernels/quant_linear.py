@@ -15,11 +15,15 @@ its device; :func:`quant_linear` runs the product (``kernels.linear.linear`` dis
 
 CPU: int4 runs torch's weight-packed kernel (``_weight_int4pack_mm_for_cpu``; fp32, bf16 and
 fp16 activations; it needs ``N % 16 == 0``, other shapes dequantize per product); fp8 is
-upcast per product (no fp8 matmul on CPUs). CUDA: int4 runs ``quant_triton``'s dequant-GEMM,
+dequantized to the model dtype at load (CPUs have no fp8 arithmetic and the per-product upcast
+measured ~450x slower than bf16's product), or, with ``EPDSERVE_FP8_CPU_WEIGHTS=fp8``, kept
+in fp8 and upcast per product. CUDA: int4 runs ``quant_triton``'s dequant-GEMM,
 fp8 with per-row scales runs ``torch._scaled_mm`` on activations quantized per token.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -173,9 +177,23 @@ def cpu_int4_supported(w: Int4Weight) -> bool:
     )
 
 
-def pack(w: QuantizedWeight) -> QuantizedWeight:
-    """Ready ``w`` for its device's kernel (in place; returns ``w``)."""
+def fp8_kept_on_cpu() -> bool:
+    """``EPDSERVE_FP8_CPU_WEIGHTS=fp8``: keep fp8 weights on the CPU (1 byte a weight, upcast
+    per product); default ``dequantize``: the model dtype at load (see :func:`pack`)."""
+    value = os.environ.get("EPDSERVE_FP8_CPU_WEIGHTS", "dequantize").lower()
+    if value not in ("fp8", "dequantize"):
+        raise ValueError(f"EPDSERVE_FP8_CPU_WEIGHTS: fp8 or dequantize, got {value!r}")
+    return value == "fp8"
+
+
+def pack(w: QuantizedWeight) -> QuantizedWeight | torch.Tensor:
+    """Ready ``w`` for its device's kernel (in place; returns ``w``). An fp8 weight on the CPU
+    becomes a plain tensor of the model dtype unless :func:`fp8_kept_on_cpu`: CPUs have no fp8
+    arithmetic, and upcasting per product cost 40-80 ms for a 9,728 x 896 product against
+    0.2 ms in bf16 (docs/performance.md, "Quantized weights")."""
     device = w.tensors()[0].device
+    if isinstance(w, FP8Weight) and device.type == "cpu" and not fp8_kept_on_cpu():
+        return w.dequantize()
     if isinstance(w, Int4Weight) and device.type == "cpu" and cpu_int4_supported(w):
         ints = w.ints().to(torch.int32)
         w.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)

@@ -1,9 +1,9 @@
 """Quantized checkpoints (GPTQ, AWQ, block FP8, compressed-tensors FP8), written by the test in
-each format's on-disk layout from a tiny random checkpoint: the engine (fp32, weights kept
-quantized) generates, token for token, what transformers generates from a plain fp32
+each format's on-disk layout from a tiny random checkpoint: the engine (fp32) generates, token for token, what transformers generates from a plain fp32
 checkpoint of the dequantized weights, under chunked prefill and a prefix-cache hit; at TP 2
 too. The int4 products run torch's packed CPU kernel (fp32 here: its dequantized weight is the
-reference's to 1 ulp); the fp8 ones upcast the fp8 weight."""
+reference's to 1 ulp); fp8 weights are dequantized at load on the CPU, or kept in fp8 and
+upcast per product (``EPDSERVE_FP8_CPU_WEIGHTS=fp8``, the ``-kept`` cases)."""
 
 from __future__ import annotations
 
@@ -19,21 +19,25 @@ from epdserve.kernels.quant_linear import FP8Weight, Int4Weight
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 CPU = torch.device("cpu")
 
-# (architecture, format, writer options, the weight kind it loads as)
+# (architecture, format, writer options, the weight kind it loads as: fp8 stays fp8 on the
+# CPU with EPDSERVE_FP8_CPU_WEIGHTS=fp8, else it is dequantized to the model dtype at load)
 FORMATS = {
     "gptq-sym": ("llama", "gptq", {}, Int4Weight),
     "gptq-asym": ("qwen3", "gptq", {"sym": False}, Int4Weight),
     "awq": ("qwen2", "awq", {}, Int4Weight),
-    "fp8-block": ("qwen3", "fp8", {}, FP8Weight),
-    "ct-fp8-channel": ("llama", "compressed-tensors", {"strategy": "channel"}, FP8Weight),
-    "ct-fp8-tensor-static": (
+    "fp8-block-kept": ("qwen3", "fp8", {}, FP8Weight),
+    "ct-fp8-channel": ("llama", "compressed-tensors", {"strategy": "channel"}, torch.Tensor),
+    "ct-fp8-tensor-static-kept": (
         "qwen2",
         "compressed-tensors",
         {"strategy": "tensor", "static": True},
         FP8Weight,
     ),
 }
-SLOW = {"gptq-asym", "ct-fp8-tensor-static"}  # the same code paths as the others, in CI's slow run
+SLOW = {
+    "gptq-asym",
+    "ct-fp8-tensor-static-kept",
+}  # the same code paths as the others, in CI's slow run
 
 
 def written(models, tmp_path, key: str):
@@ -53,8 +57,10 @@ def tokens(outs) -> list[list[int]]:
     "key", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in FORMATS]
 )
 def test_a_quantized_checkpoint_generates_what_transformers_does_with_its_dequantized_weights(
-    models, hf_reference, tmp_path, key
+    models, hf_reference, tmp_path, key, monkeypatch
 ):
+    if key.endswith("-kept"):
+        monkeypatch.setenv("EPDSERVE_FP8_CPU_WEIGHTS", "fp8")
     path, dequantized = written(models, tmp_path, key)
     prompts = make_prompts(6, seed=3)
     expected = hf_reference.greedy(dequantized, prompts)

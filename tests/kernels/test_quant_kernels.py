@@ -104,7 +104,8 @@ def test_slices_are_the_dequantized_slices_and_split_groups_are_refused():
 
 
 @pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
-def test_an_fp8_product_on_the_cpu_is_the_dequantized_weights_product(strategy):
+def test_a_kept_fp8_product_on_the_cpu_is_the_dequantized_weights_product(strategy, monkeypatch):
+    monkeypatch.setenv("EPDSERVE_FP8_CPU_WEIGHTS", "fp8")
     tensors, deq = fp8_tensors(torch.randn(48, 256), strategy)
     scale = tensors["weight_scale"]
     if strategy == "block":
@@ -115,6 +116,16 @@ def test_an_fp8_product_on_the_cpu_is_the_dequantized_weights_product(strategy):
     assert w.data.dtype == FP8 and w.nbytes < 48 * 256 * 2  # 1 byte a weight, plus scales
     x, b = torch.randn(6, 256), torch.randn(48)
     assert torch.equal(linear(x, w, b), F.linear(x, deq, b))
+
+
+def test_an_fp8_weight_on_the_cpu_is_dequantized_at_pack_by_default(monkeypatch):
+    monkeypatch.delenv("EPDSERVE_FP8_CPU_WEIGHTS", raising=False)
+    tensors, deq = fp8_tensors(torch.randn(48, 256), "channel")
+    w = pack(FP8Weight(tensors["weight"], tensors["weight_scale"], None, torch.float32))
+    assert isinstance(w, torch.Tensor) and torch.equal(w, deq)
+    monkeypatch.setenv("EPDSERVE_FP8_CPU_WEIGHTS", "sometimes")
+    with pytest.raises(ValueError, match="^EPDSERVE_FP8_CPU_WEIGHTS: fp8 or dequantize"):
+        pack(FP8Weight(tensors["weight"], tensors["weight_scale"], None, torch.float32))
 
 
 @pytest.mark.usefixtures("interpreted")

@@ -1,0 +1,142 @@
+"""Quantized weights against bf16: the same model as bf16, int4 (GPTQ layout) and fp8
+(compressed-tensors, per channel), on this CPU.
+
+One JSON object:
+
+- ``models``: per variant, the bytes of the loaded model's weight tensors (``weights_bytes``:
+  every tensor the decoder holds, embedding and norms included; ``linear_bytes``: the layers'
+  matrix-product weights alone) and offline ``LLM.generate`` throughput, each variant in a
+  fresh process: ``--prompts`` prompts of 16 tokens, timed at 1 and ``--max-tokens`` output
+  tokens; ``decode_tok_per_s`` is the extra tokens over the extra time (decode alone);
+- ``matmuls``: the gate|up product at decode row counts, best of a few timings (ms).
+
+The int4 checkpoint is written by ``engine/models/quant/write.py`` (round to nearest in
+GPTQ's layout, group 128, symmetric); the bf16 one by ``make-model --preset``.
+
+    .venv/bin/python bench/quantized.py --preset qwen2.5-0.5b [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vs_vllm_env import cpu_info  # noqa: E402
+
+from epdserve.engine.models.quant.write import write_quantized  # noqa: E402
+
+CHILD = """
+import json, random, sys, time
+from epdserve.engine import LLM, SamplingParams
+path, prompts_n, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = LLM(model=path, dtype="bfloat16", max_model_len=256)
+model = llm.engine.executor.worker.model
+seen, total, linear = set(), 0, 0
+def size(w):
+    return w.nbytes if hasattr(w, "tensors") else w.numel() * w.element_size()
+for layer in model.layers:
+    for name in layer.__slots__:
+        w = getattr(layer, name)
+        if name in ("rope", "window", "index") or w is None or id(w) in seen:
+            continue
+        seen.add(id(w))
+        total += size(w)
+        if name in ("qkv_w", "o_w", "gate_up_w", "down_w"):
+            linear += size(w)
+for w in (model.embed, model.final_norm, model.lm_head):
+    if id(w) not in seen:
+        seen.add(id(w)); total += size(w)
+rng = random.Random(0)
+prompts = [{"prompt_token_ids": [rng.randrange(10, 4000) for _ in range(16)]}
+           for _ in range(prompts_n)]
+def timed(n):
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return time.perf_counter() - t
+timed(2)  # warm up
+t1, tn = timed(1), timed(max_tokens)
+print(json.dumps({"weights_bytes": total, "linear_bytes": linear,
+                  "decode_tok_per_s": prompts_n * (max_tokens - 1) / (tn - t1),
+                  "output_tok_per_s": prompts_n * max_tokens / tn}))
+"""
+
+
+def run_variant(path: Path, prompts: int, max_tokens: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), str(prompts), str(max_tokens)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def matmuls(paths: dict[str, Path], rows=(1, 8)) -> dict:
+    """The first layer's gate|up product per variant, ms (best of 5 runs of 20 calls)."""
+    from epdserve.engine.models.loader import load_model
+    from epdserve.kernels.linear import linear
+
+    out = {}
+    for name, path in paths.items():
+        model = load_model(path, torch.bfloat16, torch.device("cpu"), 64)
+        w = model.layers[0].gate_up_w
+        for r in rows:
+            x = torch.randn(r, model.config.hidden_size).bfloat16()
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(20):
+                    linear(x, w)
+                best = min(best, (time.perf_counter() - t) / 20)
+            out[f"{name}_rows{r}_ms"] = round(best * 1e3, 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--work", default=None, help="folder for the checkpoints (default: temp)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="epd-quant-"))
+    from epdserve.engine.make_model import make_model
+
+    bf16 = work / f"{args.preset}-bf16"
+    if not bf16.exists():
+        make_model("qwen2", bf16, seed=0, preset=args.preset)
+    paths = {"bf16": bf16, "int4_gptq": work / "int4", "fp8": work / "fp8"}
+    if not paths["int4_gptq"].exists():
+        write_quantized(bf16, paths["int4_gptq"], "gptq", dtype=torch.bfloat16)
+    if not paths["fp8"].exists():
+        write_quantized(bf16, paths["fp8"], "compressed-tensors", dtype=torch.bfloat16)
+    torch.set_num_threads(os.cpu_count() or 1)
+    models = {name: run_variant(p, args.prompts, args.max_tokens) for name, p in paths.items()}
+    base = models["bf16"]
+    for m in models.values():
+        m["linear_bytes_vs_bf16"] = round(m["linear_bytes"] / base["linear_bytes"], 3)
+        m["weights_bytes_vs_bf16"] = round(m["weights_bytes"] / base["weights_bytes"], 3)
+        m["decode_vs_bf16"] = round(m["decode_tok_per_s"] / base["decode_tok_per_s"], 2)
+    result = {
+        "preset": args.preset,
+        "cpu": cpu_info(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "workload": {"prompts": args.prompts, "prompt_tokens": 16, "max_tokens": args.max_tokens},
+        "models": models,
+        "matmuls": matmuls(paths),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
