@@ -223,9 +223,9 @@ class EngineConfig:
             )
         if os.path.isfile(os.path.join(self.model, "config.json")):
             from epdserve.engine.models.config import load_model_config
-            from epdserve.engine.models.quant import resolve
+            from epdserve.engine.models.quant import for_model
 
-            resolve(load_model_config(self.model).quantization, self.quantization)
+            for_model(load_model_config(self.model), self.quantization)
 
     def _check_role(self) -> None:
         if self.role not in ROLES:

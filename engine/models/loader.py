@@ -15,7 +15,7 @@ from epdserve.engine.models.layers import (
     check_tensor_parallel,
     shard_config,
 )
-from epdserve.engine.models.quant import resolve as resolve_quantization
+from epdserve.engine.models.quant import for_model as quantization_for
 from epdserve.engine.worker.parallel import TPGroup
 from epdserve.kernels.backends import get_backend
 
@@ -69,7 +69,7 @@ def load_model(
     checkpoint's linear layers stay quantized (``models.quant``; ``quantization``: the
     engine setting, None: the checkpoint's ``quantization_config`` decides)."""
     config = load_model_config(model_dir)
-    quant = resolve_quantization(config.quantization, quantization)
+    quant = quantization_for(config, quantization)
     tp = tp or TPGroup()
     shard = Shard(tp.rank, tp.size)
     check_tensor_parallel(config, tp.size)

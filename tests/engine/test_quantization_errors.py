@@ -137,3 +137,9 @@ def test_an_act_order_g_idx_is_refused_naming_the_tensor(gptq, tmp_path):
     save_file(tensors, dst / "model.safetensors")
     with pytest.raises(ValueError, match=f"tensor '{name}' permutes input rows"):
         load_model(dst, torch.float32, CPU, 64)
+
+
+def test_a_quantized_mixture_of_experts_checkpoint_is_refused_naming_quantization(models, tmp_path):
+    path = write_quantized(models.get("mixtral"), tmp_path / "moe", "fp8")
+    with pytest.raises(ValueError, match=r"^quantization: fp8 .*mixture-of-experts"):
+        EngineConfig(model=str(path))

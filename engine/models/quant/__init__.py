@@ -96,6 +96,19 @@ def resolve(raw: dict, flag: str | None = None) -> QuantMethod | None:
     return build[method](raw)
 
 
+def for_model(config, flag: str | None = None) -> QuantMethod | None:
+    """:func:`resolve` of a parsed ``ModelConfig``; a quantized mixture-of-experts checkpoint
+    is refused (its experts load through ``moe_weights``, which reads no quantized layout)."""
+    method = resolve(config.quantization, flag)
+    if method is not None and config.is_moe:
+        raise ValueError(
+            f"quantization: {method.name} checkpoints of mixture-of-experts models "
+            f"({config.architecture}) are not supported: their experts' quantized weights "
+            "are not read"
+        )
+    return method
+
+
 def input_group(raw: dict) -> int | None:
     """How many input columns share a scale in a checkpoint of ``raw`` quantization_config
     (a row-parallel rank's slice must be whole groups); None: whole rows or no groups."""
