@@ -64,7 +64,7 @@ class MoeLM(DecoderLM):
         stacked tensors)."""
         super().pack_weights()
         for layer in self.layers:
-            if layer.is_sparse and self.kernels.name == "native" and packing_enabled(layer.w13):
+            if layer.is_sparse and self.kernels.name == "native" and packing_enabled(layer.w13[0]):
                 layer.w13 = [pack(w) for w in layer.w13.unbind(0)]
                 layer.w2 = [pack(w) for w in layer.w2.unbind(0)]
 
