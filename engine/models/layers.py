@@ -137,7 +137,19 @@ class ShardedWeights:
         return quantized if quantized is not None else self._to(self._rows(name, start, end))
 
     def full(self, name: str) -> torch.Tensor:
-        return self._to(self.reader.get(self.prefix + name))
+        quantized = self._quantized(name)
+        return quantized if quantized is not None else self._to(self.reader.get(self.prefix + name))
+
+    def fused_rows(self, name: str, spans: list[tuple[int, int]]):
+        """The row spans ``[start, end)`` of a checkpoint's fused tensor (Phi-3's ``qkv_proj``),
+        one after the other; quantized where the checkpoint is."""
+        quantized = self._quantized(name)
+        if quantized is not None:
+            from epdserve.kernels.quant_linear import slice_rows
+
+            return torch.cat([slice_rows(quantized, start, end) for start, end in spans])
+        lazy = self.reader.get_slice(self.prefix + name)
+        return self._to(torch.cat([lazy[start:end] for start, end in spans]))
 
     def norm(self, name: str) -> torch.Tensor:
         """Gemma's ``1 + w`` norm weight, kept in fp32."""

@@ -114,6 +114,25 @@ def test_a_rank_slice_of_a_quantized_weight_is_the_slice_of_its_dequantized_weig
         )
 
 
+def test_fused_row_spans_of_a_quantized_weight_are_the_dequantized_spans(models, tmp_path):
+    from epdserve.engine.models.config import load_model_config
+    from epdserve.engine.models.layers import Shard, ShardedWeights
+    from epdserve.engine.models.loader import CheckpointReader
+    from epdserve.engine.models.quant import resolve
+
+    path, deq = tmp_path / "fp8", tmp_path / "fp8-deq"
+    write_quantized(models.get("llama"), path, "fp8", dequantized=deq)
+    cfg = load_model_config(path)
+    w = ShardedWeights(CheckpointReader(path), "model.", cfg, Shard(), torch.float32, CPU,
+                       resolve(cfg.quantization))  # fmt: skip
+    plain = ShardedWeights(CheckpointReader(deq), "model.", cfg, Shard(), torch.float32, CPU)
+    name, spans = "layers.0.mlp.up_proj.weight", [(0, 32), (300, 384)]
+    got = w.fused_rows(name, spans)
+    assert isinstance(got, FP8Weight) and isinstance(w.full(name), FP8Weight)
+    assert torch.equal(got.dequantize(), plain.fused_rows(name, spans))
+    assert torch.equal(w.full(name).dequantize(), plain.full(name))
+
+
 def test_a_rank_slice_that_splits_a_quantization_group_is_refused(models, tmp_path):
     path = write_quantized(models.get("llama"), tmp_path / "g128", "gptq")  # o: 128 = one group
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 does not divide .*groups of 128"):
