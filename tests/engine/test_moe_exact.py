@@ -118,11 +118,10 @@ def test_greedy_outputs_match_transformers_in_every_regime(checkpoints, hf_refer
         assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])  # qwen3_moe: its own config above
-def test_the_presets_match_transformers_on_the_torch_twin(models, hf_reference, arch):
-    """make-model's checkpoints (per-expert tensors; Qwen2-MoE's first layer dense) on the
-    torch backend (the twin fused_moe) in 16-token chunks."""
-    path = models.get(arch)
+def test_the_qwen2_moe_preset_matches_transformers_on_the_torch_twin(models, hf_reference):
+    """make-model's checkpoint (per-expert tensors, a dense first layer, a shared expert) on
+    the torch backend (the twin fused_moe) in 16-token chunks."""
+    path = models.get("qwen2_moe")
     prompts = make_prompts(4, seed=1)
     llm = LLM(model=str(path), dtype="float32", max_model_len=256, max_num_batched_tokens=16,
               attention_backend="torch")  # fmt: skip
