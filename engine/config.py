@@ -26,6 +26,9 @@ BACKENDS = ("triton", "native", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uni", "mp")  # vLLM's --scheduling-policy
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")  # models.quant.METHODS
+# vLLM's --kv-cache-dtype values we take: auto is the model's dtype, fp8 is fp8_e4m3
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+KV_DTYPES = tuple(KV_CACHE_DTYPES)
 ROLE_NEEDS = {"prefill": ("is_producer", "kv_producer"), "decode": ("is_consumer", "kv_consumer")}
 
 
@@ -44,6 +47,9 @@ class EngineConfig:
     )
     kv_cache_memory: int | None = setting(
         None, "bytes of KV cache (default: enough for --max-num-seqs, capped; on CUDA: profiled)"
+    )
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache storage: auto (--dtype), fp8 = fp8_e4m3 (scale 1.0)", choices=KV_DTYPES
     )
     max_num_seqs: int = setting(256, "most sequences running at once")
     max_num_batched_tokens: int | None = setting(
@@ -163,6 +169,9 @@ class EngineConfig:
             CurveServerKeys.load(self.kv_events_curve_dir)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")  # fmt: skip
         if self.mm_processor_kwargs is not None:
             from epdserve.engine.inputs.image_processor import check_processor_kwargs
 
@@ -177,6 +186,11 @@ class EngineConfig:
         from epdserve.engine.lora.settings import check_lora_settings
 
         check_lora_settings(self)
+
+    @property
+    def kv_storage_dtype(self) -> str:
+        """The torch dtype name of the stored KV cache (``float8_e4m3fn``, or ``dtype``)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
     def _parse_text(self) -> None:
         """The settings given as JSON text (a flag, a variable) or a dict, typed: the edge."""

@@ -113,7 +113,7 @@ class EngineCore:
 
     def _num_blocks(self, model_cfg: ModelConfig) -> int:
         cfg = self.config
-        itemsize = getattr(torch, cfg.dtype).itemsize
+        itemsize = getattr(torch, cfg.kv_storage_dtype).itemsize  # --kv-cache-dtype fp8: 1
         kv_size = shard_config(model_cfg, Shard(0, cfg.tensor_parallel_size)).kv_size  # a rank's
         per_block = self.kv_spec.slots * 2 * cfg.block_size * kv_size * itemsize
         need = 1 + self.kv_spec.blocks_per_request(

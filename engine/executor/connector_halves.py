@@ -29,6 +29,13 @@ def kv_block_shape(config: EngineConfig, model_cfg: ModelConfig) -> tuple[int, .
     return (model_cfg.num_layers, 2, config.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
 
 
+def kv_dtype_label(config: EngineConfig) -> str:
+    """The dtypes a stored block depends on: the model's, and the cache's where it differs
+    (``--kv-cache-dtype fp8``), so pods that store blocks in another dtype never share them."""
+    kv = config.kv_storage_dtype
+    return config.dtype if kv == config.dtype else f"{config.dtype}/kv-{kv}"
+
+
 def kv_head_slice(num_kv_heads: int, rank: int, size: int) -> HeadSlice:
     """The KV heads rank ``rank`` of ``size`` holds (``Shard.kv_heads``), and whether it stores
     them: with more ranks than KV heads, only the first rank of each head's replicas does."""
@@ -48,7 +55,9 @@ def kv_connector_half(
         return None
     algo = config.prefix_caching_hash_algo
     shape = kv_block_shape(config, model_cfg)
-    fp = model_fingerprint(config.model_digest, config.dtype, shape, config.block_size, algo)
+    fp = model_fingerprint(
+        config.model_digest, kv_dtype_label(config), shape, config.block_size, algo
+    )
     if role == KVConnectorRole.SCHEDULER:  # once per pod
         log.info(
             "KV connector %s (%s), pool %r, fingerprint %s",

@@ -32,8 +32,9 @@ def attend_spans(
             continue
         assert end <= seq_len, f"image span [{start}, {end}) split across chunks"
         blocks = meta.block_table[seq, : -(-end // block_size)].long()
-        k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:end]
-        v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:end]
+        # a cache stored in fp8 (--kv-cache-dtype) is read back in the queries' dtype
+        k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:end].to(q.dtype)
+        v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:end].to(q.dtype)
         qpos = torch.arange(first, last)[:, None]
         kpos = torch.arange(end)[None, :]
         causal = kpos <= qpos

@@ -40,6 +40,7 @@ class ModelRunner:
         ec_connector=None,
         spec: KVCacheSpec | None = None,
         lora=None,
+        kv_dtype: torch.dtype | None = None,  # what the cache stores (None: the model's)
     ):
         cfg = model.config
         self.model = model
@@ -47,7 +48,7 @@ class ModelRunner:
         spec = spec or make_kv_cache_spec([None] * cfg.num_layers)
         self.kv_cache = torch.zeros(
             (num_blocks, spec.slots, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-            dtype=model.dtype,
+            dtype=kv_dtype or model.dtype,
             device=model.device,
         )
         placement = spec.layer_placement()

@@ -34,6 +34,7 @@ from epdserve.engine.models.loader import load_model, load_vision_encoder
 from epdserve.engine.worker.model_runner import ModelRunner
 from epdserve.engine.worker.parallel import TPGroup, init_tp_group, step_timeout_s
 from epdserve.engine.worker.profiling import gpu_kv_budget
+from epdserve.kernels.fp8_kv import StoredKVDtype
 
 log = logging.getLogger("epdserve.worker")
 
@@ -103,6 +104,9 @@ class Worker:
     def initialize_kv_cache(self, kv: KVCacheConfig) -> None:
         """Allocate the paged cache of ``kv.num_blocks`` blocks and the runner over it."""
         cfg = self.config
+        kv_dtype = getattr(torch, cfg.kv_storage_dtype)
+        if kv_dtype != self.dtype:  # --kv-cache-dtype fp8: written rounded, read back up
+            self.model.kernels = StoredKVDtype(self.model.kernels, kv_dtype)
         self.runner = ModelRunner(
             self.model,
             kv.num_blocks,
@@ -114,6 +118,7 @@ class Worker:
             self.ec_connector,
             kv.spec,
             self.lora,
+            kv_dtype,
         )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -132,6 +132,6 @@ ARCHITECTURES = [
         load_weights=load_phi3_weights,
         model_class=Phi3LM,
         hf_config=phi3_config,
-        lora_refusal="Phi-3 adapters target the fused qkv_proj and gate_up_proj",
+        lora_refusal="Phi-3 adapters target its fused qkv_proj and gate_up_proj, not yet split",
     )
 ]

@@ -1,0 +1,92 @@
+"""A paged KV cache stored in fp8 (``float8_e4m3fn``, per-tensor scale 1.0) under any backend.
+
+``StoredKVDtype`` wraps a ``KernelBackend``: new keys and values are rounded to the cache's
+dtype as they are written (clamped to e4m3's +-448 first, so a large value saturates);
+attention gathers the blocks the batch's block table names, reads them back up to the query's
+dtype, and runs the wrapped backend's attention over that compact copy with a renumbered
+table. So every backend (the native C kernels and the Triton kernels included, which read
+bf16/fp32 caches only) attends fp8 caches unchanged, at the cost of one gather and upcast of
+the batch's blocks per layer. On CPUs that pass costs more than the attention itself; the
+native backend's C kernels after it still beat the torch twin (``bench/kv_cache_dtype.py``:
+decode at 0.13x and 0.07x of a bf16 cache's rate), so the backend stays as chosen. The other
+ops pass through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epdserve.kernels.backends import KernelBackend
+from epdserve.kernels.checks import check_index
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+class StoredKVDtype(KernelBackend):
+    """``inner``'s ops over a KV cache stored in ``kv_dtype`` (one of ``FP8_DTYPES``)."""
+
+    def __init__(self, inner: KernelBackend, kv_dtype: torch.dtype = torch.float8_e4m3fn):
+        if kv_dtype not in FP8_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {kv_dtype} is not a stored KV dtype")
+        self.inner, self.kv_dtype = inner, kv_dtype
+        self.name = f"{inner.name}+{str(kv_dtype).removeprefix('torch.')}"
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        check_index("slot_mapping", slot_mapping, 1)
+        if key_cache.dtype != self.kv_dtype or value_cache.dtype != self.kv_dtype:
+            raise ValueError(
+                f"key_cache/value_cache must be {self.kv_dtype}, got {key_cache.dtype}"
+            )
+        slots = slot_mapping.long()
+        keep = slots >= 0  # -1: a padding slot, skipped
+        if not bool(keep.all()):
+            slots, key, value = slots[keep], key[keep], value[keep]
+        block_size = key_cache.shape[1]
+        where = (slots // block_size, slots % block_size)
+        key_cache.index_put_(where, self._stored(key))
+        value_cache.index_put_(where, self._stored(value))
+
+    def _stored(self, t: torch.Tensor) -> torch.Tensor:
+        most = torch.finfo(self.kv_dtype).max
+        return t.clamp(-most, most).to(self.kv_dtype)
+
+    def paged_attention(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        scale,
+        sliding_window=None,
+        soft_cap=None,
+    ) -> torch.Tensor:
+        keys, values, table = readable_blocks(key_cache, value_cache, block_table, query.dtype)
+        return self.inner.paged_attention(
+            query, keys, values, table, seq_lens, query_start_loc, scale, sliding_window, soft_cap
+        )
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return self.inner.rms_norm(x, weight, eps, residual)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
+        return self.inner.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids):
+        return self.inner.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def readable_blocks(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The blocks ``block_table [S, MB]`` names, in ``dtype`` (``[S * MB, block_size, heads,
+    dim]`` each), and the table renumbered to them (row ``i``'s blocks are ``i * MB ..``).
+    Entries past a sequence's blocks (negative ones included) read the null block 0, which
+    attention ignores as it ignored the entry. Static shapes: no host sync, graph-safe."""
+    check_index("block_table", block_table, 2)
+    ids = block_table.reshape(-1).long().clamp_(min=0)
+    keys = key_cache.index_select(0, ids).to(dtype)
+    values = value_cache.index_select(0, ids).to(dtype)
+    renumbered = torch.arange(ids.numel(), dtype=block_table.dtype, device=block_table.device)
+    return keys, values, renumbered.view(block_table.shape)
