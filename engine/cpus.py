@@ -26,10 +26,16 @@ COMPUTE_BOUND_PARAMS = 10_000_000
 
 def matmul_params(cfg) -> int:
     """Weights a token's forward multiplies by (a ``ModelConfig``): the decoder layers'
-    projections and the LM head."""
+    projections and the LM head. A sparse (mixture-of-experts) layer counts what one token
+    runs: its router, its top-k experts and the shared expert, not every expert."""
     h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
-    return cfg.num_layers * per_layer + cfg.vocab_size * h
+    attention = h * (q + 2 * kv) + q * h
+    dense = 3 * h * cfg.intermediate_size
+    sparse = cfg.num_experts * h + 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    if cfg.shared_expert_intermediate_size:
+        sparse += 3 * h * cfg.shared_expert_intermediate_size + h  # and its sigmoid gate
+    mlp = sum(sparse if cfg.layer_is_sparse(i) else dense for i in range(cfg.num_layers))
+    return cfg.num_layers * attention + mlp + cfg.vocab_size * h
 
 
 def core_threads(cpus: int, params: int) -> int:

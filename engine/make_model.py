@@ -54,6 +54,8 @@ def make_model(
         raise ValueError(f"preset: {preset} is for text architectures without --lora")
     if preset not in family.presets:
         raise ValueError(f"preset: {arch} takes {', '.join(family.presets)}, not {preset}")
+    if lora and family.lora_refusal:
+        raise ValueError(f"lora: {family.lora_refusal}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = tt.train_tokenizer(vocab_size(preset), with_image_tokens=image)

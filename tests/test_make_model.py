@@ -190,3 +190,11 @@ def test_the_half_billion_preset_loads_in_our_engine_and_generates(tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": list(range(10, 42))}], sp)
     assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].text
+
+
+def test_lora_adapters_are_refused_for_a_mixture_of_experts_checkpoint(tmp_path):
+    from epdserve.engine.make_model import make_model
+
+    with pytest.raises(ValueError, match="lora: LoRA adapters do not apply to mixture-of-experts"):
+        make_model("mixtral", tmp_path, lora=1)
+    assert not any(tmp_path.iterdir())

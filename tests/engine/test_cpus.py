@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 
@@ -88,14 +88,31 @@ def test_the_presets_fall_on_the_measured_sides_of_the_bound(models):
     from epdserve.engine.make_model import SIZES
     from epdserve.engine.models.config import load_model_config
 
-    tiny = matmul_params(load_model_config(models.get("llama")))
-    assert tiny < COMPUTE_BOUND_PARAMS
+    tiny_cfg = load_model_config(models.get("llama"))
+    assert matmul_params(tiny_cfg) < COMPUTE_BOUND_PARAMS
     hidden, layers, heads, kv, head_dim, inter = SIZES["small"]
-    small = SimpleNamespace(
-        hidden_size=hidden, q_size=heads * head_dim, kv_size=kv * head_dim,
+    small = replace(
+        tiny_cfg, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
         intermediate_size=inter, num_layers=layers, vocab_size=4096,
     )  # fmt: skip
     assert matmul_params(small) > COMPUTE_BOUND_PARAMS
+
+
+def test_a_sparse_layer_counts_the_experts_a_token_runs(models):
+    """Top-2 of 8 experts: two experts' weights and the router, not eight; a shared expert
+    and its gate on top; dense layers (``sparse_layers``) count their MLP."""
+    from epdserve.engine.models.config import load_model_config
+
+    dense = load_model_config(models.get("llama"))
+    h, inter = dense.hidden_size, 64
+    moe = replace(dense, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=inter)
+    per_token = 8 * h + 2 * 3 * h * inter
+    dense_mlp = 3 * h * dense.intermediate_size
+    assert matmul_params(moe) - matmul_params(dense) == dense.num_layers * (per_token - dense_mlp)
+    shared = replace(moe, shared_expert_intermediate_size=96)
+    assert matmul_params(shared) - matmul_params(moe) == dense.num_layers * (3 * h * 96 + h)
+    one_dense = replace(moe, sparse_layers=(False,) + (True,) * (dense.num_layers - 1))
+    assert matmul_params(one_dense) - matmul_params(moe) == dense_mlp - per_token
 
 
 def test_the_core_env_follows_the_model_unless_omp_num_threads_is_set(models, monkeypatch):
