@@ -2,7 +2,8 @@
 
 Every case runs per ``--presets`` checkpoint (default all three, ``vs_vllm_settings``): the
 ``tiny`` make-model Llama (overhead-bound) and Llamas shaped like Qwen2.5-0.5B and
-Llama-3.2-1B, all stored in bf16. The JSON's ``presets`` holds each one's results and
+Llama-3.2-1B, all stored in bf16. ``--arch mixtral`` or ``qwen3_moe`` runs the
+mixture-of-experts checkpoints instead: ``tiny`` and the ``moe-0.6b`` shape. The JSON's ``presets`` holds each one's results and
 ``ratios``; its ``cpu`` block says whether the CPU has AMX and AVX512_BF16.
 
 Each engine runs alone (the other stopped), in alternating order, in two settings
@@ -25,7 +26,7 @@ run. Medians over rounds; ratios ours / vLLM's best variant. vLLM runs from its 
 (installed there on first use; skipped with a message where that fails).
 
     python bench/vs_vllm.py [--rounds 3] [--quick] [--vllm-venv DIR] [--no-install]
-        [--presets tiny qwen2.5-0.5b llama3.2-1b] [--settings defaults matched]
+        [--arch llama|mixtral|qwen3_moe] [--presets tiny qwen2.5-0.5b llama3.2-1b moe-0.6b] [--settings defaults matched]
         [--skip offline served] [--offline-threads 2 1]
 """
 
@@ -194,14 +195,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get(
         "EPDSERVE_VLLM_VENV", env.DEFAULT_VENV)))  # fmt: skip
     ap.add_argument("--no-install", action="store_true", help="never install vLLM")
-    ap.add_argument("--presets", nargs="+", default=list(sets.PRESETS), choices=sets.PRESETS,
-                    help="make-model checkpoints to run every case on, in this order")  # fmt: skip
+    ap.add_argument("--arch", default="llama", choices=sets.ARCHS,
+                    help="make-model architecture of every preset's checkpoint")  # fmt: skip
+    ap.add_argument("--presets", nargs="+", default=None, choices=sets.ALL_PRESETS,
+                    help="make-model checkpoints to run every case on, in this order "
+                         "(default: the architecture's, vs_vllm_settings.presets)")  # fmt: skip
     ap.add_argument("--offline-threads", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--settings", nargs="*", default=list(sets.SETTINGS), choices=sets.SETTINGS)
     ap.add_argument("--skip", nargs="*", default=[], choices=("offline", "served"))
     ap.add_argument("--vllm-first", type=int, default=0, choices=(0, 1),
                     help="1: vLLM goes first in the first setting (a second run flips order)")  # fmt: skip
     args = ap.parse_args(argv)
+    args.presets = args.presets or list(sets.presets(args.arch))
     args.cpus = sorted(os.sched_getaffinity(0))
     if args.quick:
         args.rounds = 1
@@ -222,7 +227,7 @@ def plan(args: argparse.Namespace) -> dict:
         "first_setting_order": "vllm first" if args.vllm_first else "epdserve first",
         "presets": {
             p: {
-                "model": f"make-model llama {p} seed 0, bf16 safetensors",
+                "model": f"make-model {args.arch} {p} seed 0, bf16 safetensors",
                 "offline_workload": sets.offline_workload(p, args.quick),
             }
             for p in args.presets
@@ -233,7 +238,7 @@ def plan(args: argparse.Namespace) -> dict:
 def run_preset(vllm_python: str, preset: str, entry: dict, args, tmp: Path) -> None:
     """Every case on ``preset``'s checkpoint, results and ratios into ``entry``."""
     started = time.monotonic()
-    model = env.make_checkpoint(tmp / f"{preset}-llama-bf16", preset)
+    model = env.make_checkpoint(tmp / f"{preset}-{args.arch}-bf16", preset, args.arch)
     entry["make_model_s"] = round(time.monotonic() - started, 1)
     if "offline" not in args.skip:
         entry["a_offline"] = offline(vllm_python, model, args, entry["offline_workload"])

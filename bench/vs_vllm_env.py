@@ -112,15 +112,15 @@ def cpu_info() -> dict:
     return {"model": name, "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags}
 
 
-def make_checkpoint(out: Path, preset: str) -> Path:
-    """A ``make-model`` Llama checkpoint stored in bf16 (config ``dtype`` bfloat16); the real
-    shapes' presets are written in bf16 already."""
+def make_checkpoint(out: Path, preset: str, arch: str = "llama") -> Path:
+    """A ``make-model`` checkpoint of ``arch`` stored in bf16 (config ``dtype`` bfloat16); the
+    real shapes' presets are written in bf16 already."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from epdserve.engine.make_model import make_model
 
-    path = make_model("llama", out, seed=0, preset=preset)
+    path = make_model(arch, out, seed=0, preset=preset)
     if json.loads((path / "config.json").read_text()).get("dtype") == "bfloat16":
         return path
     weights = path / "model.safetensors"

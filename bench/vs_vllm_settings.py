@@ -32,6 +32,16 @@ import os
 
 SETTINGS = ("defaults", "matched")
 PRESETS = ("tiny", "qwen2.5-0.5b", "llama3.2-1b")
+MOE_PRESETS = ("tiny", "moe-0.6b")  # mixture-of-experts: --arch mixtral | qwen3_moe
+ARCHS = ("llama", "mixtral", "qwen3_moe")
+ALL_PRESETS = (*PRESETS, "moe-0.6b")
+
+
+def presets(arch: str) -> tuple[str, ...]:
+    """The presets a run of ``arch`` covers by default."""
+    return PRESETS if arch == "llama" else MOE_PRESETS
+
+
 USER_FLAGS = {"dtype": "bfloat16", "max_model_len": 2048, "enable_prefix_caching": True}
 MATCHED = {"block_size": 32, "max_num_batched_tokens": 2048, "max_num_seqs": 256}
 KV_BYTES = 1 << 30

@@ -20,12 +20,13 @@ from epdserve.engine.models import arch as registry
 from epdserve.engine.models.arch.base import SIZES, VOCAB  # noqa: F401  (the presets' shapes)
 
 ARCHS = registry.make_model_families()
-PRESETS = ("tiny", "small", *serving_shapes.SHAPES)
+SERVED = (*serving_shapes.SHAPES, *serving_shapes.MOE_SHAPES)  # bf16, the shapes users serve
+PRESETS = ("tiny", "small", *SERVED)
 
 
 def vocab_size(preset: str) -> int:
     """The model's and its tokenizer's vocab."""
-    return serving_shapes.VOCAB if preset in serving_shapes.SHAPES else VOCAB
+    return serving_shapes.VOCAB if preset in SERVED else VOCAB
 
 
 def build_config(arch: str, preset: str, token_ids: dict[str, int]):
@@ -49,9 +50,10 @@ def make_model(
         raise ValueError(f"preset: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     family = registry.by_family(arch)
     image = family.image
-    large = preset in serving_shapes.SHAPES
+    large = preset in SERVED
     if large and (preset not in family.presets or lora):
-        raise ValueError(f"preset: {preset} is for text architectures without --lora")
+        takes = [a.family for a in registry.architectures() if preset in a.presets]
+        raise ValueError(f"preset: {preset} is for {', '.join(takes)}, without --lora")
     if preset not in family.presets:
         raise ValueError(f"preset: {arch} takes {', '.join(family.presets)}, not {preset}")
     if lora and family.lora_refusal:
@@ -68,15 +70,16 @@ def make_model(
     assert (tok.token_to_id(tt.PAD), tok.token_to_id(tt.BOS), tok.token_to_id(tt.EOS)) == (0, 1, 2)
 
     config = build_config(arch, preset, ids)
-    if large:
+    if large and preset in serving_shapes.SHAPES:
         _save_large(config, out, seed)
         return out
     torch.manual_seed(seed)
+    dtype = torch.bfloat16 if large else torch.float32  # a served MoE shape: bf16 whole
     with torch.device("cpu"):
         if image:
-            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(str(out))
     if image:

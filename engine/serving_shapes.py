@@ -14,6 +14,12 @@ Both use a vocab of 32,768: the tokenizer is trained at that size too (2-3 s), s
 model can sample has text, as with a real model. (Were the model's vocab larger than the
 tokenizer's, an id the tokenizer lacks decodes to no text in our detokenizer, no error.)
 
+``moe-0.6b`` is a mixture-of-experts shape for ``mixtral`` and ``qwen3_moe`` (hidden 1,024, 8
+layers, 16 heads and 4 KV heads of 64): Mixtral-like, 8 experts of 2,816, top 2 (0.65B
+parameters, 0.19B run per token); Qwen3-MoE-like, 64 experts of 256, top 8 (0.50B, 0.15B per
+token). Its experts are written by transformers (``save_pretrained``: the hub's per-expert
+tensors), in bf16.
+
 The weights are written in bf16, as users' checkpoints are, one tensor at a time straight
 into ``model.safetensors``: the 1B model is never in memory whole (an fp32 copy is 4 GB).
 """
@@ -30,6 +36,8 @@ SHAPES = {
     "qwen2.5-0.5b": (896, 24, 14, 2, 64, 4864),
     "llama3.2-1b": (2048, 16, 32, 8, 64, 8192),
 }
+# mixture-of-experts shapes, as SHAPES; the experts are the architecture's (arch/moe_common)
+MOE_SHAPES = {"moe-0.6b": (1024, 8, 16, 4, 64, 2816)}
 # what the real configs set besides the shape (initializer_range: the std of our weights)
 CONFIG = {
     "qwen2.5-0.5b": dict(
@@ -37,6 +45,9 @@ CONFIG = {
     ),
     "llama3.2-1b": dict(
         tie_word_embeddings=True, max_position_embeddings=131072, initializer_range=0.02
+    ),
+    "moe-0.6b": dict(
+        tie_word_embeddings=False, max_position_embeddings=32768, initializer_range=0.02
     ),
 }
 LLAMA32_ROPE = {
@@ -55,7 +66,7 @@ def config_overrides(arch: str, preset: str) -> dict:
     if arch == "llama":  # the real llama3 scaling, not the tiny preset's short context
         kw["rope_parameters"] = dict(LLAMA32_ROPE)
     if arch in ("llama", "qwen3"):
-        kw["head_dim"] = SHAPES[preset][4]
+        kw["head_dim"] = {**SHAPES, **MOE_SHAPES}[preset][4]
     return kw
 
 

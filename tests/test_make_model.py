@@ -122,7 +122,7 @@ def test_real_shaped_presets_have_the_real_models_shapes_tied_at_our_vocab(prese
 def test_real_shaped_presets_are_for_text_models_only(tmp_path):
     from epdserve.engine.make_model import make_model
 
-    with pytest.raises(ValueError, match="preset: qwen2.5-0.5b"):
+    with pytest.raises(ValueError, match="preset: qwen2.5-0.5b is for llama, qwen2, qwen3,"):
         make_model("gemma3", tmp_path, preset="qwen2.5-0.5b")
     assert not any(tmp_path.iterdir())
     cli = [sys.executable, "-m", "epdserve.engine.cli", "make-model", "--arch", "gemma3"]
@@ -132,7 +132,7 @@ def test_real_shaped_presets_are_for_text_models_only(tmp_path):
         text=True,
     )
     assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert "make-model: preset: llama3.2-1b is for text architectures" in res.stderr
+    assert "make-model: preset: llama3.2-1b is for llama, qwen2, qwen3" in res.stderr
 
 
 def _shrunk_qwen2_config():
@@ -198,3 +198,24 @@ def test_lora_adapters_are_refused_for_a_mixture_of_experts_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="lora: LoRA adapters do not apply to mixture-of-experts"):
         make_model("mixtral", tmp_path, lora=1)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("arch", "experts", "total", "per_token"),
+    [("mixtral", (8, 2, 2816), 641_811_456, 193_003_520),
+     ("qwen3_moe", (64, 8, 256), 491_276_288, 105_381_888)],
+)  # fmt: skip
+def test_the_served_moe_shape_has_its_experts(arch, experts, total, per_token):
+    """moe-0.6b: one attention shape, each family's kind of experts; every weight counted,
+    and what a token runs (cpus.matmul_params: its top-k experts, not all)."""
+    from epdserve.engine.cpus import matmul_params
+    from epdserve.engine.make_model import build_config
+    from epdserve.engine.models import arch as registry
+    from epdserve.engine.serving_shapes import parameter_count
+
+    cfg = build_config(arch, "moe-0.6b", {})
+    parsed = registry.by_family(arch).parse(cfg.architectures[0], cfg.to_dict(), cfg.to_dict())
+    assert (parsed.num_experts, parsed.num_experts_per_tok, parsed.moe_intermediate_size) == experts
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (1024, 8, 32768)
+    assert parameter_count(cfg) == total
+    assert matmul_params(parsed) == per_token

@@ -110,6 +110,7 @@ def test_cpu_delta_keeps_only_processes_that_used_cpu():
 
 def test_every_preset_runs_by_default_and_real_shapes_get_a_smaller_offline_workload():
     assert vs_vllm.parse_args([]).presets == ["tiny", "qwen2.5-0.5b", "llama3.2-1b"]
+    assert vs_vllm.parse_args(["--arch", "qwen3_moe"]).presets == ["tiny", "moe-0.6b"]
     assert sets.offline_workload("tiny", quick=False) == {
         "prompts": 256,
         "input": 128,
@@ -138,8 +139,8 @@ def test_the_plan_says_which_bf16_units_the_cpu_has(monkeypatch):
 def test_each_preset_gets_its_own_checkpoint_results_and_ratios(monkeypatch, capsys):
     made = []
 
-    def fake_checkpoint(out, preset):
-        made.append(preset)
+    def fake_checkpoint(out, preset, arch):
+        made.append((arch, preset))
         out.mkdir()
         return out
 
@@ -152,7 +153,7 @@ def test_each_preset_gets_its_own_checkpoint_results_and_ratios(monkeypatch, cap
     monkeypatch.setattr(vs_vllm, "offline", fake_offline)
     vs_vllm.main(["--presets", "tiny", "qwen2.5-0.5b", "--skip", "served", "--rounds", "1"])
     result = json.loads(capsys.readouterr().out)
-    assert made == ["tiny", "qwen2.5-0.5b"]
+    assert made == [("llama", "tiny"), ("llama", "qwen2.5-0.5b")]
     assert result["ratios"] == {
         "tiny": {"offline_defaults": 2.56},
         "qwen2.5-0.5b": {"offline_defaults": 0.64},

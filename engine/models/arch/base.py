@@ -14,7 +14,9 @@ VOCAB = 4096  # make-model's tokenizer (the tiny presets)
 # make-model presets: (hidden, layers, heads, kv_heads, head_dim, intermediate)
 SIZES = {"tiny": (128, 4, 4, 2, 32, 384), "small": (768, 8, 12, 4, 64, 2048)}
 SIZES.update(serving_shapes.SHAPES)  # the shapes users serve (bf16, written tensor by tensor)
+SIZES.update(serving_shapes.MOE_SHAPES)
 SERVED = tuple(serving_shapes.SHAPES)
+SERVED_MOE = tuple(serving_shapes.MOE_SHAPES)
 
 
 def common_fields(arch: str, family: str, raw: dict, eos=None) -> dict:
@@ -122,7 +124,7 @@ def tiny_kwargs(preset: str, family: str, **overrides) -> dict:
         pad_token_id=0,
     )
     kw.update(overrides)
-    if preset in serving_shapes.SHAPES:
+    if preset in serving_shapes.SHAPES or preset in serving_shapes.MOE_SHAPES:
         kw.update(serving_shapes.config_overrides(family, preset))
     return kw
 

@@ -5,8 +5,14 @@ renormalised; experts as on the hub (``block_sparse_moe.experts.{e}.w1/w3/w2``).
 from __future__ import annotations
 
 from epdserve.engine.models.arch import Architecture
-from epdserve.engine.models.arch.base import dense_config, head_dim, tiny_kwargs, with_architecture
-from epdserve.engine.models.arch.moe_common import EXPERTS, LORA_REFUSAL, expert_fields
+from epdserve.engine.models.arch.base import (
+    SERVED_MOE,
+    dense_config,
+    head_dim,
+    tiny_kwargs,
+    with_architecture,
+)
+from epdserve.engine.models.arch.moe_common import LORA_REFUSAL, expert_fields, experts
 from epdserve.engine.models.moe import MoeLM
 from epdserve.engine.models.moe_weights import MIXTRAL, moe_weight_loader
 
@@ -19,7 +25,7 @@ def _parse(name: str, raw: dict, top: dict):
 def _config(preset: str, token_ids: dict):
     from transformers import MixtralConfig
 
-    num, top_k, inter = EXPERTS[preset]
+    num, top_k, inter = experts(preset, "mixtral")
     kw = tiny_kwargs(
         preset,
         "mixtral",
@@ -41,6 +47,7 @@ ARCHITECTURES = [
         load_weights=moe_weight_loader(MIXTRAL),
         model_class=MoeLM,
         hf_config=_config,
+        presets=("tiny", "small", *SERVED_MOE),
         lora_refusal=LORA_REFUSAL.format(family="Mixtral"),
     )
 ]

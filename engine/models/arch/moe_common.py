@@ -6,6 +6,16 @@ from __future__ import annotations
 # make-model presets: (experts, experts per token, expert intermediate size); small experts
 # keep the tiny checkpoints fast (a sparse layer runs each picked expert on its tokens)
 EXPERTS = {"tiny": (8, 2, 64), "small": (8, 2, 512)}
+# the served shape (serving_shapes.MOE_SHAPES): each family's own kind of experts
+SERVED_EXPERTS = {"moe-0.6b": {"mixtral": (8, 2, 2816), "qwen3_moe": (64, 8, 256)}}
+
+
+def experts(preset: str, family: str) -> tuple[int, int, int]:
+    """(experts, experts per token, expert intermediate size) of ``family``'s ``preset``."""
+    if preset in SERVED_EXPERTS:
+        return SERVED_EXPERTS[preset][family]
+    return EXPERTS[preset]
+
 
 LORA_REFUSAL = (
     "LoRA adapters do not apply to mixture-of-experts models ({family}: the experts have no "

@@ -5,11 +5,17 @@ released checkpoints), no shared expert."""
 from __future__ import annotations
 
 from epdserve.engine.models.arch import Architecture
-from epdserve.engine.models.arch.base import dense_config, head_dim, tiny_kwargs, with_architecture
+from epdserve.engine.models.arch.base import (
+    SERVED_MOE,
+    dense_config,
+    head_dim,
+    tiny_kwargs,
+    with_architecture,
+)
 from epdserve.engine.models.arch.moe_common import (
-    EXPERTS,
     LORA_REFUSAL,
     expert_fields,
+    experts,
     sparse_layers,
 )
 from epdserve.engine.models.moe import MoeLM
@@ -34,7 +40,7 @@ def _parse(name: str, raw: dict, top: dict):
 def _config(preset: str, token_ids: dict):
     from transformers import Qwen3MoeConfig
 
-    num, top_k, inter = EXPERTS[preset]
+    num, top_k, inter = experts(preset, "qwen3_moe")
     kw = tiny_kwargs(
         preset,
         "qwen3_moe",
@@ -57,6 +63,7 @@ ARCHITECTURES = [
         load_weights=moe_weight_loader(QWEN),
         model_class=MoeLM,
         hf_config=_config,
+        presets=("tiny", "small", *SERVED_MOE),
         lora_refusal=LORA_REFUSAL.format(family="Qwen3-MoE"),
     )
 ]
