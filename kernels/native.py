@@ -1,6 +1,7 @@
 """CPU kernels in C, built on first use and called via ctypes: paged attention for decode
 (``csrc/paged_decode.c``) and for prefill spans over a cached prefix (``csrc/paged_prefill.c``),
-and the small per-token ops (``csrc/cpu_ops.c``: rotary, RMSNorm, the KV-cache write).
+the small per-token ops (``csrc/cpu_ops.c``: rotary, RMSNorm, the KV-cache write), and the
+read-back of an fp8 KV cache (``csrc/fp8_kv.c``).
 
 How the library is built, cached and bound: ``native_build.py``. When no compiler works, or
 ``EPDSERVE_NATIVE_KERNELS=0``, :func:`available` is False and the torch twins are used
@@ -252,3 +253,36 @@ def cache_write(key, value, key_cache, value_cache, slot_mapping) -> None:
     )  # fmt: skip
     if rc != 0:
         raise IndexError(f"slot_mapping: a slot is outside 0..{num_blocks * block_size - 1}")
+
+
+_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def fp8_blocks_supports(cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`fp8_blocks` reads ``cache [N, ...]`` (fp8, each block one contiguous
+    run, on the CPU) into ``dtype`` (bfloat16 or float32)."""
+    return (
+        cache.device.type == "cpu"
+        and cache.dtype == torch.float8_e4m3fn
+        and dtype in (torch.bfloat16, torch.float32)
+        and _rows_contiguous(cache, 1)
+        and available()
+    )
+
+
+def fp8_blocks(cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cache.index_select(0, ids).to(dtype)`` in one pass (``csrc/fp8_kv.c``), the same
+    bits; where :func:`fp8_blocks_supports`."""
+    if dtype not in _FP8_TABLES:  # every fp8 byte's value, as torch casts it
+        every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        _FP8_TABLES[dtype] = every.to(dtype).contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.numel(), *cache.shape[1:]), dtype=dtype)
+    per_block = cache[0].numel()
+    rc = _load().epd_fp8_blocks(
+        cache.data_ptr(), cache.stride(0), ids.data_ptr(), ids.numel(), per_block,
+        cache.shape[0], _FP8_TABLES[dtype].data_ptr(), out.data_ptr(), out.element_size(),
+    )  # fmt: skip
+    if rc != 0:
+        raise IndexError(f"ids: a block is outside 0..{cache.shape[0] - 1}")
+    return out

@@ -27,7 +27,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "cpu_ops.c", CSRC / "lora.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "cpu_ops.c", CSRC / "lora.c",
+           CSRC / "fp8_kv.c")  # fmt: skip
 HEADERS = (CSRC / "cpu_simd.h", CSRC / "lora_simd.h")
 BASE_FLAGS = [
     "-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
@@ -52,6 +53,7 @@ ARGTYPES = {
     "epd_cache_write": [
         _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64
     ],
+    "epd_fp8_blocks": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "epd_lora_apply": [
         _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
         _I64, _INT, _INT, _INT,

@@ -143,3 +143,21 @@ def test_blocks_stored_in_one_kv_dtype_are_a_miss_for_a_pod_of_another(
         assert_no_leak(decoder)
         decoder.engine.close()
     producer.engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_c_read_back_is_torchs_cast_bit_for_bit(dtype):
+    """Every fp8 byte value, from one layer's strided view of a cross-layer cache."""
+    from epdserve.kernels import native
+
+    if not native.available():
+        pytest.skip("no C compiler")
+    raw = torch.arange(6 * 2 * 2 * 256) % 256  # each block: every byte value once
+    cache = raw.to(torch.uint8).view(torch.float8_e4m3fn).view(6, 2, 2, 4, 4, 16)[:, 1, 0]
+    ids = torch.tensor([5, 0, 2, 2, 4])
+    assert native.fp8_blocks_supports(cache, dtype)
+    ours, torchs = native.fp8_blocks(cache, ids, dtype), cache.index_select(0, ids).to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(ours.view(bits), torchs.view(bits))
+    with pytest.raises(IndexError, match="ids: a block is outside 0..5"):
+        native.fp8_blocks(cache, torch.tensor([6]), dtype)
