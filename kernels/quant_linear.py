@@ -16,7 +16,7 @@ its device; :func:`quant_linear` runs the product (``kernels.linear.linear`` dis
 CPU: int4 runs torch's weight-packed kernel (``_weight_int4pack_mm_for_cpu``; fp32, bf16 and
 fp16 activations; it needs ``N % 16 == 0``, other shapes dequantize per product); fp8 is
 dequantized to the model dtype at load (CPUs have no fp8 arithmetic and the per-product upcast
-measured ~450x slower than bf16's product), or, with ``EPDSERVE_FP8_CPU_WEIGHTS=fp8``, kept
+measured ~55x slower than bf16's product), or, with ``EPDSERVE_FP8_CPU_WEIGHTS=fp8``, kept
 in fp8 and upcast per product. CUDA: int4 runs ``quant_triton``'s dequant-GEMM,
 fp8 with per-row scales runs ``torch._scaled_mm`` on activations quantized per token.
 """
@@ -189,8 +189,8 @@ def fp8_kept_on_cpu() -> bool:
 def pack(w: QuantizedWeight) -> QuantizedWeight | torch.Tensor:
     """Ready ``w`` for its device's kernel (in place; returns ``w``). An fp8 weight on the CPU
     becomes a plain tensor of the model dtype unless :func:`fp8_kept_on_cpu`: CPUs have no fp8
-    arithmetic, and upcasting per product cost 40-80 ms for a 9,728 x 896 product against
-    0.2 ms in bf16 (docs/performance.md, "Quantized weights")."""
+    arithmetic, and upcasting per product cost 30 ms for the 0.5B shape's 9,728 x 896 gate|up
+    against 0.54 ms in bf16 (docs/performance.md, "Quantized weights")."""
     device = w.tensors()[0].device
     if isinstance(w, FP8Weight) and device.type == "cpu" and not fp8_kept_on_cpu():
         return w.dequantize()
