@@ -40,13 +40,15 @@ class StoredKVDtype(KernelBackend):
                 f"key_cache/value_cache must be {self.kv_dtype}, got {key_cache.dtype}"
             )
         slots = slot_mapping.long()
-        keep = slots >= 0  # -1: a padding slot, skipped
-        if not bool(keep.all()):
-            slots, key, value = slots[keep], key[keep], value[keep]
-        block_size = key_cache.shape[1]
-        where = (slots // block_size, slots % block_size)
-        key_cache.index_put_(where, self._stored(key))
-        value_cache.index_put_(where, self._stored(value))
+        valid = (slots >= 0)[:, None, None]
+        # a padding slot (-1) rewrites slot 0 of the null block with what it holds: no host
+        # sync to drop it (graph-safe), and the null block is never any request's
+        slots = slots.clamp(min=0)
+        where = (slots // key_cache.shape[1], slots % key_cache.shape[1])
+        for new, cache in ((key, key_cache), (value, value_cache)):
+            held = cache.view(torch.uint8)
+            written = torch.where(valid, self._stored(new).view(torch.uint8), held[where])
+            held.index_put_(where, written)
 
     def _stored(self, t: torch.Tensor) -> torch.Tensor:
         most = torch.finfo(self.kv_dtype).max
