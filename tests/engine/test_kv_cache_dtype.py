@@ -161,3 +161,17 @@ def test_the_c_read_back_is_torchs_cast_bit_for_bit(dtype):
     assert torch.equal(ours.view(bits), torchs.view(bits))
     with pytest.raises(IndexError, match="ids: a block is outside 0..5"):
         native.fp8_blocks(cache, torch.tensor([6]), dtype)
+
+
+@pytest.mark.slow  # two worker processes
+def test_fp8_at_tp2_equals_fp8_at_tp1(models):
+    path, prompts = str(models.get("llama")), make_prompts(6)
+    got = []
+    for tp in (1, 2):
+        llm = LLM(model=path, dtype="float32", max_model_len=512, kv_cache_dtype="fp8",
+                  tensor_parallel_size=tp, max_num_batched_tokens=32)  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        got.append([list(o.outputs[0].token_ids) for o in outs])
+        assert_no_leak(llm)
+        llm.engine.close()
+    assert got[1] == got[0]
