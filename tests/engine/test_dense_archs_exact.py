@@ -237,3 +237,10 @@ def test_phi3_tp2_greedy_matches_transformers(checkpoints, hf_reference):
     assert got == hf_reference.greedy(path, prompts)
     assert_no_leak(llm)
     llm.engine.close()
+
+
+def test_lora_on_phi3_is_refused_naming_its_fused_projections(models):
+    from epdserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="enable_lora: Phi-3 adapters target its fused qkv_proj"):
+        EngineConfig(model=str(models.get("phi3")), enable_lora=True)
