@@ -94,6 +94,29 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     )
 
 
+class PlainReader:
+    """A checkpoint reader that refuses to hand out an fp8 tensor as a plain one."""
+
+    def __init__(self, reader):
+        self.inner = reader
+        self.has, self.names = reader.has, reader.names
+
+    def _check(self, name: str) -> None:
+        if self.inner.has(name) and self.inner.get_slice(name).get_dtype() == "F8_E4M3":
+            raise ValueError(
+                f"model: tensor {name!r} is stored quantized (fp8) but was read as a plain "
+                "tensor: this architecture's loader does not read that layer quantized"
+            )
+
+    def get(self, name: str) -> torch.Tensor:
+        self._check(name)
+        return self.inner.get(name)
+
+    def get_slice(self, name: str):
+        self._check(name)
+        return self.inner.get_slice(name)
+
+
 class ShardedWeights:
     """This rank's slice of each checkpoint tensor, on the device in the model dtype.
     ``reader`` is a ``loader.CheckpointReader``; names are given without ``prefix``.
@@ -105,8 +128,10 @@ class ShardedWeights:
     def __init__(
         self, reader, prefix: str, cfg: ModelConfig, shard: Shard, dtype, device, quant=None
     ):
-        self.reader, self.prefix, self.cfg, self.shard = reader, prefix, cfg, shard
+        self.prefix, self.cfg, self.shard = prefix, cfg, shard
         self.dtype, self.device, self.quant = dtype, device, quant
+        # what architectures read directly refuses fp8 tensors: read plain, they lose their scale
+        self.raw, self.reader = reader, reader if quant is None else PlainReader(reader)
 
     def _to(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -117,12 +142,12 @@ class ShardedWeights:
         if self.quant is None or not name.endswith(".weight"):
             return None
         base = self.prefix + name[: -len(".weight")]
-        if not self.quant.quantizes(self.reader, base):
+        if not self.quant.quantizes(self.raw, base):
             return None
         from epdserve.engine.models.quant import on_device
         from epdserve.kernels.quant_linear import slice_rows
 
-        w = self.quant.read(self.reader, base, cols, self.dtype)
+        w = self.quant.read(self.raw, base, cols, self.dtype)
         return on_device(w if rows is None else slice_rows(w, *rows), self.device)
 
     def _rows(self, name: str, start: int, end: int) -> torch.Tensor:

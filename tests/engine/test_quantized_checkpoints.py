@@ -131,6 +131,8 @@ def test_fused_row_spans_of_a_quantized_weight_are_the_dequantized_spans(models,
     assert isinstance(got, FP8Weight) and isinstance(w.full(name), FP8Weight)
     assert torch.equal(got.dequantize(), plain.fused_rows(name, spans))
     assert torch.equal(w.full(name).dequantize(), plain.full(name))
+    with pytest.raises(ValueError, match="is stored quantized .fp8. but was read as a plain"):
+        w.reader.get_slice("model." + name)  # what an architecture reading it directly gets
 
 
 def test_a_rank_slice_that_splits_a_quantization_group_is_refused(models, tmp_path):
