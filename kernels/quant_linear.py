@@ -13,8 +13,10 @@ Both join along the output dimension under ``torch.cat`` (the loader's q|k|v and
 fusion) and slice along either dimension (tensor parallelism). :func:`pack` readies one for
 its device; :func:`quant_linear` runs the product (``kernels.linear.linear`` dispatches here).
 
-CPU: int4 runs torch's weight-packed kernel (``_weight_int4pack_mm_for_cpu``; fp32, bf16 and
-fp16 activations; it needs ``N % 16 == 0``, other shapes dequantize per product); fp8 is
+CPU: int4 in bf16/fp16 runs torch's weight-packed kernel (``_weight_int4pack_mm_for_cpu``; it
+needs ``N % 16 == 0``, other shapes dequantize per product); in fp32 it dequantizes per product
+(bit for bit the dequantized weight; torch's kernel takes fp32 too, but 8 rows cost it 99 ms
+against 23 + 5 ms dequantized, at the 0.5B shape's gate|up on one thread); fp8 is
 dequantized to the model dtype at load (CPUs have no fp8 arithmetic and the per-product upcast
 measured ~55x slower than bf16's product), or, with ``EPDSERVE_FP8_CPU_WEIGHTS=fp8``, kept
 in fp8 and upcast per product. CUDA: int4 runs ``quant_triton``'s dequant-GEMM,
@@ -103,10 +105,10 @@ class Int4Weight(QuantizedWeight):
     def dequantize(self, dtype=None) -> torch.Tensor:
         if self.packed is not None:
             raise RuntimeError("Int4Weight: dequantize before pack")
-        g = self.group
-        s = self.scales.repeat_interleave(g, 1)
-        z = self.zeros.repeat_interleave(g, 1).float()
-        return ((self.ints().float() - z) * s).to(dtype or self.dtype)
+        (n, k), g = self.shape, self.group
+        q = torch.stack([self.qdata & 0xF, self.qdata >> 4], -1).view(n, k // g, g).float()
+        q.sub_(self.zeros.float().unsqueeze(-1)).mul_(self.scales.unsqueeze(-1))
+        return q.view(n, k).to(dtype or self.dtype)
 
     def tensors(self):
         if self.packed is not None:
@@ -194,16 +196,24 @@ def pack(w: QuantizedWeight) -> QuantizedWeight | torch.Tensor:
     device = w.tensors()[0].device
     if isinstance(w, FP8Weight) and device.type == "cpu" and not fp8_kept_on_cpu():
         return w.dequantize()
-    if isinstance(w, Int4Weight) and device.type == "cpu" and cpu_int4_supported(w):
-        ints = w.ints().to(torch.int32)
-        w.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)
-        # the kernel computes (q - 8) * scale + offset: offset = (8 - zero) * scale
-        offset = (8.0 - w.zeros.float()) * w.scales
-        sz = torch.stack([w.scales, offset], -1).transpose(0, 1).contiguous()
-        w.scales_zeros = sz.to(w.dtype)
-        w.qdata = w.scales = w.zeros = None
+    if isinstance(w, Int4Weight) and device.type == "cpu" and w.dtype != torch.float32:
+        if cpu_int4_supported(w):
+            int4_cpu_pack(w)
     elif isinstance(w, FP8Weight) and device.type == "cuda" and w.group is None:
         w.scale_row = w.scale.reshape(1, -1).contiguous()
+    return w
+
+
+def int4_cpu_pack(w: Int4Weight) -> Int4Weight:
+    """``w`` in the form of torch's CPU int4 kernel (in place): its packed nibbles and
+    ``[K/group, N, 2]`` scales and offsets in the activations' dtype."""
+    ints = w.ints().to(torch.int32)
+    w.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)
+    # the kernel computes (q - 8) * scale + offset: offset = (8 - zero) * scale
+    offset = (8.0 - w.zeros.float()) * w.scales
+    sz = torch.stack([w.scales, offset], -1).transpose(0, 1).contiguous()
+    w.scales_zeros = sz.to(w.dtype)
+    w.qdata = w.scales = w.zeros = None
     return w
 
 

@@ -1,8 +1,8 @@
 """Quantized checkpoints (GPTQ, AWQ, block FP8, compressed-tensors FP8), written by the test in
 each format's on-disk layout from a tiny random checkpoint: the engine (fp32) generates, token for token, what transformers generates from a plain fp32
 checkpoint of the dequantized weights, under chunked prefill and a prefix-cache hit; at TP 2
-too. The int4 products run torch's packed CPU kernel (fp32 here: its dequantized weight is the
-reference's to 1 ulp); fp8 weights are dequantized at load on the CPU, or kept in fp8 and
+too. In fp32 the int4 products dequantize per product, bit for bit the reference's weights
+(bf16 models run torch's packed int4 kernel: tests/kernels/test_quant_kernels.py); fp8 weights are dequantized at load on the CPU, or kept in fp8 and
 upcast per product (``EPDSERVE_FP8_CPU_WEIGHTS=fp8``, the ``-kept`` cases)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from conftest_helpers import MAX_NEW, assert_no_leak, make_prompts
 from epdserve.engine import LLM, SamplingParams
 from epdserve.engine.models.loader import load_model
 from epdserve.engine.models.quant.write import write_quantized
+from epdserve.kernels.linear import linear
 from epdserve.kernels.quant_linear import FP8Weight, Int4Weight
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -155,11 +156,16 @@ def test_int4_weights_take_about_a_quarter_of_the_bf16_weights_memory(
 ):
     monkeypatch.setenv("EPDSERVE_PACKED_LINEAR", "0")  # plain bf16 tensors: numel * 2 bytes
     src = models.get("qwen3")
-    path = write_quantized(src, tmp_path / "gptq", "gptq", dtype=torch.bfloat16)
+    deq = tmp_path / "dequantized"
+    path = write_quantized(src, tmp_path / "gptq", "gptq", dequantized=deq, dtype=torch.bfloat16)
     bf16 = weight_bytes(load_model(src, torch.bfloat16, CPU, 256))
     int4_model = load_model(path, torch.bfloat16, CPU, 256)
-    assert isinstance(int4_model.layers[0].qkv_w, Int4Weight)
-    assert int4_model.layers[0].qkv_w.packed is not None  # the CPU kernel's form
+    gate_up = int4_model.layers[0].gate_up_w
+    assert isinstance(gate_up, Int4Weight) and gate_up.packed is not None  # the CPU kernel's
+    x = torch.randn(4, 128)
+    want = x @ load_model(deq, torch.float32, CPU, 256).layers[0].gate_up_w.T
+    got = linear(x.bfloat16(), gate_up).float()
+    assert ((got - want).abs() <= 2**-7 * want.abs() + 0.02 * want.abs().max()).all()
     ratio = weight_bytes(int4_model) / bf16
     # 4 bits a weight plus a bf16 scale and offset per 128: (64 + 4) / 256 bytes
     assert 0.25 <= ratio <= 0.27, ratio

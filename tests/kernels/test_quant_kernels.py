@@ -1,9 +1,10 @@
 """Quantized weights (kernels/quant_linear, quant_triton): the layouts' words as the formats
 write them, joins and slices, and each product against the dequantized weight's.
 
-torch's packed int4 CPU kernel computes ``(q - 8) * scale + offset`` in the activations' dtype:
-in fp32 within a few ulps of the dequantized product; in bf16 its dequantized weight and its
-output are rounded to bf16 (measured here: ~1e-2 on outputs of ~4, i.e. bf16 rounding)."""
+torch's packed int4 CPU kernel (bf16 and fp16 models) computes ``(q - 8) * scale + offset`` in
+the activations' dtype: in fp32 within a few ulps of the dequantized product; in bf16 its
+dequantized weight and its output are rounded to bf16 (measured here: ~1e-2 on outputs of ~4,
+i.e. bf16 rounding). fp32 models dequantize per product instead: bit for bit."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from epdserve.kernels.quant_linear import (
     FP8,
     FP8Weight,
     Int4Weight,
+    int4_cpu_pack,
     slice_cols,
     slice_rows,
 )
@@ -56,7 +58,7 @@ def test_the_packed_int4_cpu_kernel_gives_the_dequantized_weights_product(dtype,
     w = random_int4(dtype=dtype)
     dense = w.dequantize(torch.float32)
     x = torch.randn(rows, 256)
-    packed = pack(w)
+    packed = int4_cpu_pack(w)  # what pack() does for bf16 and fp16 models
     assert packed.packed is not None and packed.qdata is None
     got = linear(x.to(dtype), packed).float()
     want = x.to(dtype).float() @ dense.T
@@ -67,10 +69,19 @@ def test_the_packed_int4_cpu_kernel_gives_the_dequantized_weights_product(dtype,
 
 
 def test_an_int4_shape_the_cpu_kernel_cannot_take_runs_dequantized():
-    w = pack(random_int4(n=24))  # N % 16 != 0
+    w = pack(random_int4(n=24, dtype=torch.bfloat16))  # N % 16 != 0
     assert w.packed is None
-    x = torch.randn(3, 256)
+    x = torch.randn(3, 256).bfloat16()
     torch.testing.assert_close(linear(x, w), x @ w.dequantize().T)
+
+
+def test_an_fp32_int4_product_is_the_dequantized_weights_product_bit_for_bit():
+    w = pack(random_int4(dtype=torch.float32))
+    assert w.packed is None  # torch's kernel in fp32 is slower than dequantizing
+    x, b = torch.randn(9, 256), torch.randn(64)
+    q, z = w.ints().float(), w.zeros.float().repeat_interleave(128, 1)
+    dense = (q - z) * w.scales.repeat_interleave(128, 1)  # the formats' definition
+    assert torch.equal(linear(x, w, b), F.linear(x, dense, b))
 
 
 def test_torch_cat_joins_quantized_weights_along_the_output_dim():
