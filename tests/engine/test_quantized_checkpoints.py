@@ -169,3 +169,21 @@ def test_int4_weights_take_about_a_quarter_of_the_bf16_weights_memory(
     ratio = weight_bytes(int4_model) / bf16
     # 4 bits a weight plus a bf16 scale and offset per 128: (64 + 4) / 256 bytes
     assert 0.25 <= ratio <= 0.27, ratio
+
+
+def test_a_lora_adapter_over_an_int4_base_generates_what_it_does_over_the_dequantized_base(
+    models, tmp_path
+):
+    from epdserve.engine import LoRARequest
+    from epdserve.engine.lora.random_adapters import write_random_adapters
+
+    path, deq = tmp_path / "gptq", tmp_path / "gptq-deq"
+    write_quantized(models.get("llama"), path, "gptq", dequantized=deq)
+    [adapter] = write_random_adapters(deq, 1, out=tmp_path / "loras")
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(3, seed=5)]
+    got = {}
+    for name, model in (("int4", path), ("dequantized", deq)):
+        llm = LLM(model=str(model), dtype="float32", enable_lora=True, max_model_len=256)
+        outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)))
+        got[name] = tokens(outs)
+    assert got["int4"] == got["dequantized"]
