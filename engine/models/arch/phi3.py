@@ -75,23 +75,14 @@ def gate_up_rows(cfg: ModelConfig, shard: Shard) -> list[tuple[int, int]]:
     return [(start, end), (n + start, n + end)]
 
 
-def fused_rows(w: ShardedWeights, name: str, spans: list[tuple[int, int]]) -> torch.Tensor:
-    """The rows ``spans`` of the fused tensor ``name``, one after the other (read lazily)."""
-    if w.shard.size == 1:
-        return w.full(name)
-    lazy = w.reader.get_slice(w.prefix + name)
-    rows = torch.cat([lazy[start:end] for start, end in spans])
-    return rows.to(device=w.device, dtype=w.dtype).contiguous()
-
-
 def load_phi3_weights(model: Phi3LM, w: ShardedWeights) -> None:
     cfg = w.cfg
     load_embeddings(model, w)
     for i, layer in enumerate(model.layers):
         p, a = f"layers.{i}.", f"layers.{i}.self_attn."
-        layer.qkv_w = fused_rows(w, a + "qkv_proj.weight", qkv_rows(cfg, w.shard))
+        layer.qkv_w = w.fused_rows(a + "qkv_proj.weight", qkv_rows(cfg, w.shard))
         layer.o_w = w.row(a + "o_proj.weight", cfg.q_size)
-        layer.gate_up_w = fused_rows(w, p + "mlp.gate_up_proj.weight", gate_up_rows(cfg, w.shard))
+        layer.gate_up_w = w.fused_rows(p + "mlp.gate_up_proj.weight", gate_up_rows(cfg, w.shard))
         layer.down_w = w.row(p + "mlp.down_proj.weight", cfg.intermediate_size)
         layer.in_norm = w.full(p + "input_layernorm.weight")
         layer.mlp_norm = w.full(p + "post_attention_layernorm.weight")
