@@ -84,15 +84,16 @@ def fused_moe_grouped(
     tokens = order // k
     weights = topk_weights.reshape(-1)[order].float().unsqueeze(1)
     rows = x[tokens]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    ys = []  # each expert's outputs, in pair order: one weighted sum after the loop
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        end = start + n
-        gate_up = linear(rows[start:end], w13[e])
+        gate_up = linear(rows[start : start + n], w13[e])
         inter = gate_up.shape[1] // 2
-        y = linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e])
-        out.index_add_(0, tokens[start:end], y.float() * weights[start:end])
-        start = end
+        ys.append(linear(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), w2[e]))
+        start += n
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if ys:  # index_add_ adds the pairs in order: expert by expert, as the twin
+        out.index_add_(0, tokens, torch.cat(ys).float().mul_(weights))
     return out.to(x.dtype)
