@@ -35,8 +35,9 @@ def test_the_readme_lists_the_registry():
 def test_every_family_is_declared_once_and_make_model_offers_those_with_a_config():
     families = [a.family for a in registry.architectures()]
     assert len(families) == len(set(families))
-    assert make_model.ARCHS == tuple(
-        a.family for a in registry.architectures() if a.hf_config is not None
+    assert (
+        tuple(a.family for a in registry.architectures() if a.hf_config is not None)
+        == make_model.ARCHS
     )
     for arch in registry.architectures():
         assert registry.for_hf_names(["Nope", *arch.hf_names])[1] is arch
