@@ -12,13 +12,16 @@ from epdserve.engine.cpus import (
     resolve_batched_tokens,
 )
 from epdserve.engine.make_model import SIZES
+from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.serving_shapes import SHAPES, VOCAB
 
 
 def shape_config(hidden, layers, heads, kv_heads, head_dim, inter, vocab=VOCAB):
-    return SimpleNamespace(
-        hidden_size=hidden, q_size=heads * head_dim, kv_size=kv_heads * head_dim,
-        intermediate_size=inter, num_layers=layers, vocab_size=vocab,
+    return ModelConfig(
+        architecture="LlamaForCausalLM", family="llama", vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=inter, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        tie_word_embeddings=True,
     )  # fmt: skip
 
 
