@@ -67,6 +67,7 @@ def test_the_operator_account_holds_the_charts_grants_and_nothing_more(cluster):
         assert not can(cluster, verb, resource, namespace), f"{verb} {resource} in {namespace}"
 
 
+@pytest.mark.slow  # ~45 s (a pool degraded, then a helm upgrade): CI runs it in make test-slow
 def test_a_denied_verb_is_the_pools_condition_and_helm_upgrade_restores_it(cluster, tmp_path):
     role = json.loads(cluster.kubectl("get", "role", "epdserve-operator", "-n", NS, "-o", "json"))
     assert any("services" in r.get("resources", []) for r in role["rules"])

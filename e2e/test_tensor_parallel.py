@@ -177,6 +177,7 @@ def test_tp2_pool_answers_as_one_engine_through_its_router(pool, reference):
     answers_match(client, served, reference)
 
 
+@pytest.mark.slow  # ~30 s with its teardown: CI runs it in make test-slow
 def test_a_killed_rank_restarts_the_pod_and_it_answers_the_same(pool, reference):
     cluster, client, served = pool
     name = engine_pod(cluster)["metadata"]["name"]
