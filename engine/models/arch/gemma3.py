@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.engine.models.arch import Architecture
-from epdserve.engine.models.arch.base import SIZES, VOCAB, common_fields, load_embeddings
+from epdserve.engine.models.arch.base import SIZES, common_fields, load_embeddings, tiny_kwargs
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.decoder import DecoderLM
 from epdserve.engine.models.layers import ShardedWeights
@@ -108,28 +108,22 @@ def gemma3_config(preset: str, token_ids: dict):
     layer in four, a small SigLIP encoder."""
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
-    hidden, layers, heads, kv, head_dim, inter = SIZES[preset]
+    hidden, layers, _, _, head_dim, _ = SIZES[preset]
     n_layers = max(layers, 4)
     layer_types = [
         "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n_layers)
     ]
     text = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden * 2,
-        intermediate_size=inter,
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim * 2,
-        query_pre_attn_scalar=head_dim * 2,
-        sliding_window=32,
-        layer_types=layer_types,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        initializer_range=0.05,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **tiny_kwargs(
+            preset,
+            "gemma3",
+            hidden_size=hidden * 2,
+            num_hidden_layers=n_layers,
+            head_dim=head_dim * 2,
+            query_pre_attn_scalar=head_dim * 2,
+            sliding_window=32,
+            layer_types=layer_types,
+        )
     )
     vision = SiglipVisionConfig(
         hidden_size=128,

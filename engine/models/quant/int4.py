@@ -77,13 +77,7 @@ class GPTQ(QuantMethod):
     def read(self, reader, base, cols, dtype) -> Int4Weight:
         qweight = read_tensor(reader, _need(reader, base + ".qweight"), _word_rows(cols), 0)
         k = qweight.shape[0] * 8
-        group = self.group_size if self.group_size > 0 else k
-        if cols is not None and (cols[0] % group or cols[1] % group):
-            raise ValueError(
-                f"tensor_parallel_size: {base}'s input columns {cols[0]}..{cols[1]} are not "
-                f"whole groups of {group}"
-            )
-        gcols = _group_cols(cols, group)
+        group, gcols = _groups(self.group_size, k, base, cols)
         scales = read_tensor(reader, _need(reader, base + ".scales"), gcols, 0)
         n = qweight.shape[1]
         if scales.shape != (k // group, n):
@@ -110,6 +104,18 @@ class GPTQ(QuantMethod):
             )
 
 
+def _groups(group_size: int, k: int, base: str, cols):
+    """``(group, the groups' rows)`` of a weight with ``k`` input columns (``group_size`` -1 or
+    0: one group); a rank's ``cols`` must be whole groups (a ``tensor_parallel_size`` error)."""
+    group = group_size if group_size > 0 else k
+    if cols is not None and (cols[0] % group or cols[1] % group):
+        raise ValueError(
+            f"tensor_parallel_size: {base}'s input columns {cols[0]}..{cols[1]} are not "
+            f"whole groups of {group}"
+        )
+    return group, _group_cols(cols, group)
+
+
 def _word_rows(cols):
     return None if cols is None else (cols[0] // 8, cols[1] // 8)
 
@@ -134,13 +140,7 @@ class AWQ(QuantMethod):
     def read(self, reader, base, cols, dtype) -> Int4Weight:
         qweight = read_tensor(reader, _need(reader, base + ".qweight"), cols, 0)
         k = qweight.shape[0]
-        group = self.group_size if self.group_size > 0 else k
-        if cols is not None and (cols[0] % group or cols[1] % group):
-            raise ValueError(
-                f"tensor_parallel_size: {base}'s input columns {cols[0]}..{cols[1]} are not "
-                f"whole groups of {group}"
-            )
-        gcols = _group_cols(cols, group)
+        group, gcols = _groups(self.group_size, k, base, cols)
         scales = read_tensor(reader, _need(reader, base + ".scales"), gcols, 0)
         qzeros = read_tensor(reader, _need(reader, base + ".qzeros"), gcols, 0)
         n = scales.shape[1]
