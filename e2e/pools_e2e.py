@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -80,6 +81,19 @@ def ready_pod_ips(cluster, selector: str) -> list[str]:
             for c in (p.get("status") or {}).get("conditions") or []
         )
     )
+
+
+def failure(exc: BaseException) -> str:
+    """A client error as a test records it: when (UTC, as the harness events), what, and
+    what caused it (an APIConnectionError's cause tells refused from reset from cut)."""
+    text = f"{time.strftime('%H:%M:%S', time.gmtime())} {exc!r}"
+    cause = exc.__cause__ or exc.__context__
+    for _ in range(4):
+        if cause is None:
+            break
+        text += f" <- {cause!r}"
+        cause = cause.__cause__ or cause.__context__
+    return text
 
 
 class Workers:

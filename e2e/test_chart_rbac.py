@@ -112,7 +112,10 @@ def test_a_denied_verb_is_the_pools_condition_and_helm_upgrade_restores_it(clust
         cluster.helm(*upgrade, "--reuse-values", "--force-conflicts")
         assert can(cluster, "create", "services")
         wait_for(
-            lambda: cluster.service_ip(NS, name) and cluster.service_ip(NS, f"{name}-colocated"),
+            lambda: (
+                cluster.service_ip(NS, name, serving=False)
+                and cluster.service_ip(NS, f"{name}-colocated", serving=False)
+            ),
             60,
             "the pool's Services after the upgrade",
         )

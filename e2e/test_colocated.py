@@ -29,6 +29,7 @@ def test_kubectl_apply_of_the_colocated_example_serves_streamed_chat(cluster, tm
             timeout=260,
         )
         ip = cluster.kubectl("get", "service", name, "-o", "jsonpath={.spec.clusterIP}")
+        assert cluster.service_ip(NS, name) == ip  # once the node's proxy forwards it
         client = openai.OpenAI(base_url=f"http://{ip}:80/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
             model=served, messages=PROMPT, max_tokens=24, temperature=0, stream=True

@@ -20,8 +20,9 @@ import time
 import openai
 import pytest
 from cluster import wait_for
+from events import EVENTS
 from pool_watch import Watch, drains, router_view
-from pools_e2e import NS, Workers, example, for_this_machine, write
+from pools_e2e import NS, Workers, example, failure, for_this_machine, write
 
 pytestmark = pytest.mark.e2e
 ELASTIC, FIXED = "elastic", "elastic-fixed"
@@ -105,7 +106,7 @@ class Ramp(Workers):
                 if finish != "length" or not got:
                     error = f"answer cut: finish_reason {finish!r}, {got} chunk(s)/token(s)"
             except Exception as exc:  # every failure is counted, none is retried here
-                error = repr(exc)
+                error = failure(exc)
             with self._lock:
                 self.done += 1
                 if error:
@@ -143,6 +144,7 @@ def summary(cluster, name: str, ramp: Ramp, watch: Watch) -> dict:
         "failures": ramp.failures[:5],
         "hit_rates": watch.hit_rates(),
         "router": router_view(cluster, name),
+        **({"events": EVENTS.matching(name)[-40:]} if ramp.failures else {}),
     }
 
 
@@ -209,8 +211,8 @@ def test_decode_scales_1_to_3_and_back_under_a_ramp_with_no_failed_request(
     fixed = run_fixed(cluster, tmp)
     elastic = run_elastic(cluster, tmp)
     print("ELASTIC_RAMP", json.dumps({"fixed": fixed, "elastic": elastic}))
-    assert fixed["failed"] == 0, fixed["failures"]
-    assert elastic["failed"] == 0, elastic["failures"]
+    assert fixed["failed"] == 0, (fixed["failures"], fixed.get("events"))
+    assert elastic["failed"] == 0, (elastic["failures"], elastic.get("events"))
     desired = [p["desired"] for p in elastic["timeline"]]
     assert 3 in desired and desired[-1] == 1, elastic["timeline"]
     assert max(p["ready"] for p in elastic["timeline"]) == 3

@@ -22,6 +22,7 @@ from pools_e2e import (
     NS,
     Workers,
     example,
+    failure,
     for_this_machine,
     pod_names,
     ready_pod_ips,
@@ -99,7 +100,7 @@ class Load(Workers):
                 for _ in stream:
                     started = True
             except Exception as exc:
-                error = repr(exc)
+                error = failure(exc)
             self.results.append((started, error))
 
 

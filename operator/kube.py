@@ -18,6 +18,7 @@ PLURALS = {
     "ServiceAccount": "serviceaccounts",
     "Event": "events",
     "Pod": "pods",
+    "EndpointSlice": "endpointslices",
     "Deployment": "deployments",
     "Role": "roles",
     "RoleBinding": "rolebindings",

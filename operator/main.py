@@ -90,6 +90,8 @@ def reconcile_pool(body, meta, patch, memo, logger, **_) -> None:
         patch.status.update(outcome.status)
     for etype, reason, message in outcome.events:
         kopf.event(body, type=etype, reason=reason, message=message)
+    if outcome.recheck:
+        memo.resyncer.mark_later(meta["namespace"], meta["name"])
     if outcome.retry == "temporary":
         raise kopf.TemporaryError(f"API error, will retry: {outcome.error}", delay=RETRY_DELAY)
     if outcome.retry == "permanent":

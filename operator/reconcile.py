@@ -36,6 +36,7 @@ class Outcome:
     changed: list[str] = field(default_factory=list)  # "created Deployment x", ...
     retry: str | None = None  # None | "temporary" | "permanent"
     error: str = ""
+    recheck: bool = False  # look again soon: what Ready waits for has no event of its own
 
 
 def drifted(live: dict, desired: dict) -> bool:
@@ -158,14 +159,22 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
         return _degraded(type(exc).__name__, str(exc), generation, old_status, now, announce)
     replicas = desired_replicas(pool, held)
     deployments = {name: d for (kind, name), d in live.items() if kind == "Deployment"}
+    counts = counts_for(replicas, deployments)
+    try:
+        met = all(c["ready"] >= c["desired"] for c in counts.values())
+        waiting = router.endpoint_waiting(kube, pool) if met else ""
+    except ApiError as exc:
+        return Outcome(status={}, retry="temporary", error=str(exc))
     status = pool_status(
-        counts_for(replicas, deployments),
+        counts,
         router.endpoint_url(pool),
         pool.hash_seed,
         generation,
         old_status.get("conditions"),
         now,
+        endpoint_waiting=waiting,
     )
+    outcome.recheck = bool(waiting)
     if old_status.get("autoscaling"):  # the autoscaler's last decisions, written by it
         status["autoscaling"] = old_status["autoscaling"]
     if pool.lora is not None:  # dynamic pools: load/unload the difference on ready pods

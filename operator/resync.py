@@ -21,6 +21,7 @@ from epdserve.operator.spec import GROUP, KIND, PLURAL, VERSION
 
 logger = logging.getLogger("epdserve.operator.resync")
 API_VERSION = f"{GROUP}/{VERSION}"
+RECHECK_SECONDS = 0.5  # a pool whose endpoint trails its Deployments: look again this soon
 
 
 def now() -> str:
@@ -44,6 +45,7 @@ class Resyncer:
         self.dirty: set[tuple[str, str]] = set()
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         """The lock that keeps two reconciles of one pool from interleaving."""
@@ -54,8 +56,14 @@ class Resyncer:
         self.dirty.add((namespace, name))
         self.wakeup.set()
 
+    def mark_later(self, namespace: str, name: str, delay: float = RECHECK_SECONDS) -> None:
+        """Ask for a resync of one pool after `delay` seconds (call from any thread)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, delay, self.mark, namespace, name)
+
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run(), name="epdserve-resync")
+        self.loop = asyncio.get_running_loop()
+        self.task = self.loop.create_task(self._run(), name="epdserve-resync")
 
     async def stop(self) -> None:
         if self.task is not None:
@@ -107,6 +115,8 @@ class Resyncer:
                         outcome.status["autoscaling"] = scaled
                     outcome.events += events
             self.report(body, outcome)
+            if outcome.recheck:
+                self.mark_later(meta["namespace"], meta["name"])
 
     def report(self, body: dict, outcome: Outcome) -> None:
         """Write the status if it changed and post the outcome's events."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from epdserve.operator import kvevents, lora, meta, prompt_key, source, tenancy
 from epdserve.operator.engine import api_key_env, downward_env, model_claim, model_volumes
+from epdserve.operator.kube import ApiError, Kube
 from epdserve.operator.spec import PoolSpec
 
 # What the router may do with the API: find the pool's pods (namespaced, read-only).
@@ -28,6 +29,27 @@ def endpoint_url(pool: PoolSpec) -> str:
     """The pool's OpenAI endpoint inside the cluster."""
     host = f"{meta.name_of(pool, '')}.{pool.namespace}.svc"
     return f"http://{host}:{pool.router.service_port}"
+
+
+def endpoint_waiting(kube: Kube, pool: PoolSpec) -> str:
+    """What Ready still waits for once every Deployment is ready: the pool's Service must
+    list a ready router endpoint, else a client told Ready meets a Service that refuses
+    connections (its endpoints trail the Deployment's status). '' when it does, or when the
+    cluster serves no EndpointSlices (nothing to wait for)."""
+    service = meta.name_of(pool, "")
+    selector = f"kubernetes.io/service-name={service}"
+    try:
+        slices = kube.list("discovery.k8s.io/v1", "EndpointSlice", pool.namespace, selector)
+    except ApiError as exc:
+        if exc.status in (403, 404):
+            return ""
+        raise
+    for piece in slices:
+        for endpoint in piece.get("endpoints") or []:
+            ready = (endpoint.get("conditions") or {}).get("ready")  # unset reads as ready
+            if endpoint.get("addresses") and ready is not False:
+                return ""
+    return f"waiting for Service {service} to list a ready router endpoint"
 
 
 def router_selector(pool: PoolSpec) -> dict[str, str]:

@@ -46,21 +46,26 @@ def pool_status(
     generation: int | None,
     old_conditions: list | None,
     now: str,
+    endpoint_waiting: str = "",
 ) -> dict:
-    """Status of a valid pool from per-Deployment counts {key: {desired, ready}}."""
+    """Status of a valid pool from per-Deployment counts {key: {desired, ready}};
+    `endpoint_waiting` says why the endpoint does not serve yet although the counts are met."""
     old = _by_type(old_conditions)
     lagging = sorted(k for k, c in counts.items() if c["ready"] < c["desired"])
-    ready = not lagging
+    ready = not lagging and not endpoint_waiting
     desired = sum(c["desired"] for c in counts.values())
     up = sum(min(c["ready"], c["desired"]) for c in counts.values())
-    waiting = "waiting for " + ", ".join(
-        f"{k} {counts[k]['ready']}/{counts[k]['desired']}" for k in lagging
-    )
+    waiting = endpoint_waiting or ""
+    if lagging:
+        waiting = "waiting for " + ", ".join(
+            f"{k} {counts[k]['ready']}/{counts[k]['desired']}" for k in lagging
+        )
+    reason = "AllReplicasReady" if ready else "ReplicasNotReady" if lagging else "EndpointNotReady"
     conditions = [
         _condition(
             "Ready",
             ready,
-            "AllReplicasReady" if ready else "ReplicasNotReady",
+            reason,
             f"{up}/{desired} pods ready" if ready else waiting,
             generation,
             old,

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from controlplane import ControlPlane
+from events import EVENTS
 from kapi import Api
 from kubelet import Kubelet, NodeConfig
 from netns import GATEWAY, PodNetwork
@@ -135,9 +136,18 @@ class LocalCluster:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {done.stderr}")
         return done.stdout
 
-    def service_ip(self, namespace: str, name: str) -> str:
+    def service_ip(self, namespace: str, name: str, serving: bool = True) -> str:
+        """The Service's cluster IP; with `serving`, once this node's service proxy forwards
+        it to a ready endpoint (or after 30 s): as on any node, the proxy trails the
+        EndpointSlice, which trails the pod's readiness."""
         svc = self.api.get("Service", namespace, name)
-        return (svc or {}).get("spec", {}).get("clusterIP", "")
+        ip = (svc or {}).get("spec", {}).get("clusterIP", "")
+        deadline = time.monotonic() + 30
+        while serving and ip and ip != "None" and not self.routing.serves(ip):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        return ip
 
     def pods(self, namespace: str, selector: str = "") -> list[dict]:
         return self.api.list("Pod", namespace, selector)
@@ -255,4 +265,5 @@ def describe(cluster: LocalCluster, tail: int = 15) -> str:
         out.append(cluster.control.describe(tail // 2))
     errors = cluster.errors[-tail:] + (cluster.kubelet.errors[-tail:] if cluster.kubelet else [])
     out.append("--- harness errors\n" + "\n".join(errors))
+    out.append("--- harness events (last 60)\n" + "\n".join(EVENTS.tail(60)))
     return "\n".join(out)

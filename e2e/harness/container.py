@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import podspec
+from events import EVENTS
 from probes import ProbeState, run_probe
 
 PODINIT = str(Path(__file__).with_name("podinit.py"))
@@ -112,6 +113,7 @@ class Container:
         }
         self.proc, self.ready, self.started = None, False, False
         self.restarts += 1
+        self._event(f"exited with {code}")
         scale = self.pod.kubelet.config.time_scale
         if now - self.started_mono > 600 * scale:  # ran 10 (scaled) minutes: back-off resets
             self.backoff_step = 0
@@ -120,33 +122,44 @@ class Container:
         self.waiting = ("CrashLoopBackOff", f"back-off restarting failed container {self.name}")
 
     def _probe(self, now: float) -> None:
-        ip, pid = self.pod.ip, self.proc.pid
         if not self.started:
             state = self.probes["startup"]
             if state.due(now):
-                verdict = state.record(run_probe(state.probe, self.spec, ip, pid, self.env), now)
+                verdict = state.record(self._run(state.probe, "startup"), now)
                 if verdict == "success":
                     self.started = True
                     self.probes["liveness"].next_at = self.probes["readiness"].next_at = now
                 elif verdict == "failure":
+                    self._event("startup probe failed: killed")
                     self.kill(self.pod.grace())
             return
         live = self.probes["liveness"]
         if live.due(now):
-            ok = run_probe(live.probe, self.spec, ip, pid, self.env)
-            if live.record(ok, now) == "failure":
+            if live.record(self._run(live.probe, "liveness"), now) == "failure":
+                self._event("liveness probe failed: killed")
                 self.kill(self.pod.grace())
                 return
         ready = self.probes["readiness"]
         if ready.probe is None:
             self.ready = True
         elif ready.due(now):
-            ok = run_probe(ready.probe, self.spec, ip, pid, self.env)
-            verdict = ready.record(ok, now)
+            verdict = ready.record(self._run(ready.probe, "readiness"), now)
+            if verdict is not None and self.ready != (verdict == "success"):
+                self._event(f"readiness {verdict}: ready={verdict == 'success'}")
             if verdict == "success":
                 self.ready = True
             elif verdict == "failure":
                 self.ready = False
+
+    def _run(self, probe: dict, kind: str) -> bool:
+        why: list[str] = []
+        ok = run_probe(probe, self.spec, self.pod.ip, self.proc.pid, self.env, why)
+        if not ok and (kind == "liveness" or kind == "readiness" and self.ready):
+            self._event(f"{kind} probe failed: {why[-1] if why else '?'}")  # not while starting
+        return ok
+
+    def _event(self, text: str) -> None:
+        EVENTS.add("kubelet", f"{self.pod.namespace}/{self.pod.name}/{self.name} {text}")
 
     def pre_stop(self, deadline: float) -> None:
         """The container's preStop hook, within the grace period (the `sleep` action only)."""

@@ -17,8 +17,12 @@ def resolve_port(container: dict, port) -> int:
     raise ValueError(f"container {container['name']} has no port named {port!r}")
 
 
-def run_probe(probe: dict, container: dict, pod_ip: str, pid: int | None, env: dict) -> bool:
-    """One probe attempt: True on success (timeouts and errors are failures)."""
+def run_probe(
+    probe: dict, container: dict, pod_ip: str, pid: int | None, env: dict, why: list | None = None
+) -> bool:
+    """One probe attempt: True on success (timeouts and errors are failures; `why`, when
+    given, gets the failure's reason)."""
+    why = [] if why is None else why
     timeout = float(probe.get("timeoutSeconds", 1))
     try:
         if "httpGet" in probe:
@@ -28,7 +32,9 @@ def run_probe(probe: dict, container: dict, pod_ip: str, pid: int | None, env: d
             )
             try:
                 conn.request("GET", get.get("path", "/"))
-                return 200 <= conn.getresponse().status < 400
+                status = conn.getresponse().status
+                why.append(f"HTTP {status}")
+                return 200 <= status < 400
             finally:
                 conn.close()
         if "tcpSocket" in probe:
@@ -39,8 +45,10 @@ def run_probe(probe: dict, container: dict, pod_ip: str, pid: int | None, env: d
             # Enter the container's network and mount namespaces, with its environment.
             cmd = ["nsenter", "-t", str(pid), "-n", "-m", "--", *probe["exec"]["command"]]
             done = subprocess.run(cmd, env=env, capture_output=True, timeout=timeout)
+            why.append(f"exit {done.returncode}")
             return done.returncode == 0
-    except (OSError, http.client.HTTPException, subprocess.TimeoutExpired, ValueError):
+    except (OSError, http.client.HTTPException, subprocess.TimeoutExpired, ValueError) as exc:
+        why.append(repr(exc))
         return False
     return False
 

@@ -15,6 +15,8 @@ import itertools
 import ssl
 import threading
 
+from events import EVENTS
+
 
 class ServiceProxy:
     """Listeners keyed by (ip, port); backends replaced as EndpointSlices change."""
@@ -23,6 +25,7 @@ class ServiceProxy:
         self.loop = asyncio.new_event_loop()
         self._servers: dict[tuple[str, int], asyncio.AbstractServer] = {}
         self._backends: dict[tuple[str, int], list[tuple[str, int]]] = {}
+        self._names: dict[tuple[str, int], str] = {}
         self._turn = itertools.count()
         self._conns: set[asyncio.Task] = set()
         self._thread = threading.Thread(target=self.loop.run_forever, name="svc-proxy", daemon=True)
@@ -31,9 +34,13 @@ class ServiceProxy:
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(15)
 
-    def set_backends(self, ip: str, port: int, backends, tls: ssl.SSLContext | None = None):
-        """Serve ip:port, forwarding to `backends` [(ip, port), ...] from now on."""
+    def set_backends(
+        self, ip: str, port: int, backends, tls: ssl.SSLContext | None = None, name: str = ""
+    ):
+        """Serve ip:port, forwarding to `backends` [(ip, port), ...] from now on; `name`
+        (namespace/service) labels what it logs."""
         self._backends[ip, port] = list(backends)
+        self._names[ip, port] = name or f"{ip}:{port}"
         if (ip, port) not in self._servers:
             self._call(self._listen(ip, port, tls))
 
@@ -68,9 +75,13 @@ class ServiceProxy:
             try:
                 upstream = await asyncio.wait_for(asyncio.open_connection(host, bport), 5)
                 break
-            except (OSError, TimeoutError):
+            except (OSError, TimeoutError) as exc:
+                where = self._names.get((ip, port))
+                EVENTS.add("service-proxy", f"{where} -> {host}:{bport} failed: {exc!r}")
                 continue
         if upstream is None:
+            where = self._names.get((ip, port))
+            EVENTS.add("service-proxy", f"{where} closed a connection: no backend took it")
             writer.close()
             return
         up_reader, up_writer = upstream

@@ -34,6 +34,7 @@ from epdserve.operator.kube import Kube  # noqa: E402
 
 __all__ = ["MissingTools", "RealCluster"]
 RELEASE_NS = "epdserve-system"  # where the chart's ServiceAccount lives
+NODE = "operator-test-node"  # a Node object for the pods; no kubelet runs it
 OPERATOR_GROUP = f"system:serviceaccounts:{RELEASE_NS}"
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 NOT_SERVED = {"ServiceMonitor", "ScaledObject"}  # no prometheus-operator or KEDA CRDs here
@@ -61,9 +62,12 @@ class AuditedControlPlane(ControlPlane):
         ]
         # QPS=20 per controller client by default: the garbage collector then takes a second
         # or more per deleted pool; the tests delete one per test.
+        # No kubelet renews NODE's lease: the node lifecycle controller would taint it and
+        # evict its pods, so it is off.
         self.components["kube-controller-manager"].argv += [
             "--kube-api-qps=200",
             "--kube-api-burst=400",
+            "--controllers=*,-node-lifecycle-controller",
         ]
 
 
@@ -101,6 +105,9 @@ class RealCluster(Clients):
         crd = "crd/inferencepools.epdserve.io"
         self.kubectl("wait", "--for=condition=Established", crd, "--timeout=60s")
         plane.components["kube-controller-manager"].start()
+        # the Node that make_pods_ready binds pods to (EndpointSlices skip pods of no Node)
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}
+        self.kube.request("POST", "/api/v1/nodes", body=node)
         account = self.install_chart_rbac()
         self.start_operator(self.service_account_kubeconfig(account))
         # pods need their namespace's `default` ServiceAccount, made by the controller manager
@@ -199,8 +206,9 @@ class RealCluster(Clients):
         }
 
     def make_pods_ready(self, namespace: str, pool: str) -> int:
-        """Report the pods of the pool's Deployments Running and Ready, as their kubelet would
-        (there is none); returns how many pods there are."""
+        """Bind the pods of the pool's Deployments to NODE and report them Running and Ready,
+        as the scheduler and their kubelet would (neither runs); returns how many pods there
+        are."""
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         pods = []
         selector = f"epdserve.io/pool={pool}"
@@ -210,6 +218,12 @@ class RealCluster(Clients):
         for pod in pods:
             if any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
                 continue
+            if not pod.spec.node_name:
+                target = {"apiVersion": "v1", "kind": "Node", "name": NODE}
+                binding = {"apiVersion": "v1", "kind": "Binding", "target": target}
+                binding["metadata"] = {"name": pod.metadata.name}
+                path = f"/api/v1/namespaces/{namespace}/pods/{pod.metadata.name}/binding"
+                self.kube.request("POST", path, body=binding)
             self._pod_ips += 1
             ip = f"192.0.2.{self._pod_ips % 254 + 1}"  # TEST-NET-1: an address of nothing
             ready = [

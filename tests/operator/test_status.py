@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+from ipool_samples import example
+
+from epdserve.operator.kube import ApiError
 from epdserve.operator.reconcile import drifted, is_subset
+from epdserve.operator.router import endpoint_waiting
+from epdserve.operator.spec import parse_pool
 from epdserve.operator.status import degraded_status, is_transition, pool_status, ready_replicas
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
@@ -31,6 +37,57 @@ def test_pool_is_ready_only_when_every_deployment_is():
     assert by_type["Ready"]["lastTransitionTime"] == T1  # changed
     assert by_type["Degraded"]["lastTransitionTime"] == T0  # unchanged: time kept
     assert is_transition(status, later, "Ready") and not is_transition(status, later, "Degraded")
+
+
+def test_ready_pods_behind_a_service_without_a_ready_endpoint_are_not_ready_yet():
+    counts = {"colocated": {"desired": 1, "ready": 1}}
+    waiting = "waiting for Service p to list a ready router endpoint"
+    status = pool_status(counts, "http://p", "s", 1, None, T0, endpoint_waiting=waiting)
+    ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+    assert status["phase"] == "Progressing" and status["ready"] == "1/1"
+    assert (ready["status"], ready["reason"], ready["message"]) == (
+        "False",
+        "EndpointNotReady",
+        waiting,
+    )
+
+
+class Slices:
+    """The one call endpoint_waiting makes: a LIST of the Service's EndpointSlices."""
+
+    def __init__(self, result):
+        self.result, self.asked = result, []
+
+    def list(self, api_version, kind, namespace, selector):
+        self.asked.append((api_version, kind, namespace, selector))
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+@pytest.mark.parametrize(
+    "slices, waits",
+    [
+        ([], True),  # no slice yet
+        ([{"endpoints": [{"addresses": ["10.0.0.5"], "conditions": {"ready": False}}]}], True),
+        ([{"endpoints": None}, {"endpoints": [{"addresses": ["10.0.0.5"]}]}], False),  # unset
+        ([{"endpoints": [{"addresses": ["10.0.0.5"], "conditions": {"ready": True}}]}], False),
+        (ApiError(404, "no EndpointSlices served"), False),  # nothing to wait for
+        (ApiError(403, "forbidden"), False),
+    ],
+)
+def test_the_endpoint_waits_for_a_ready_address_in_the_pool_services_slices(slices, waits):
+    pool = parse_pool(example("colocated-text"))
+    kube = Slices(slices)
+    assert bool(endpoint_waiting(kube, pool)) is waits
+    ((api_version, kind, namespace, selector),) = kube.asked
+    assert (api_version, kind) == ("discovery.k8s.io/v1", "EndpointSlice")
+    assert (namespace, selector) == (pool.namespace, f"kubernetes.io/service-name={pool.name}")
+
+
+def test_a_failed_slice_list_is_an_api_error_to_retry():
+    with pytest.raises(ApiError):
+        endpoint_waiting(Slices(ApiError(503, "busy")), parse_pool(example("colocated-text")))
 
 
 def test_degraded_status_keeps_the_last_known_counts():
