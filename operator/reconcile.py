@@ -162,7 +162,8 @@ def reconcile(kube: Kube, body: dict, now: str, announce: bool = True) -> Outcom
     counts = counts_for(replicas, deployments)
     try:
         met = all(c["ready"] >= c["desired"] for c in counts.values())
-        waiting = router.endpoint_waiting(kube, pool) if met else ""
+        # a pool scaled to no router has nothing behind its Service to wait for
+        waiting = router.endpoint_waiting(kube, pool) if met and pool.router.replicas else ""
     except ApiError as exc:
         return Outcome(status={}, retry="temporary", error=str(exc))
     status = pool_status(

@@ -21,7 +21,7 @@ from epdserve.operator.spec import GROUP, KIND, PLURAL, VERSION
 
 logger = logging.getLogger("epdserve.operator.resync")
 API_VERSION = f"{GROUP}/{VERSION}"
-RECHECK_SECONDS = 0.5  # a pool whose endpoint trails its Deployments: look again this soon
+RECHECK_SECONDS = 1.0  # a pool whose endpoint trails its Deployments: look again this soon
 
 
 def now() -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import podspec
 from container import Container, now_iso, signal_group
+from events import EVENTS
 from kapi import ApiError
 from netns import GATEWAY, PodNetwork
 from node import NodeAgent
@@ -130,6 +131,7 @@ class PodRuntime:
 
     def _terminate(self, grace: float) -> None:
         self.stopping = True  # no restarts, no more probes
+        EVENTS.add("kubelet", f"{self.namespace}/{self.name} terminating (grace {grace:g}s)")
         self._thread.join(10)
         deadline = time.monotonic() + min(grace, self.kubelet.config.max_grace)
         hooks = [threading.Thread(target=c.pre_stop, args=(deadline,)) for c in self.containers]
@@ -145,6 +147,7 @@ class PodRuntime:
             t.start()
         for t in killers:
             t.join()
+        EVENTS.add("kubelet", f"{self.namespace}/{self.name} containers stopped")
         try:
             self.kubelet.api.delete("Pod", self.namespace, self.name, grace=0)
         except Exception as exc:  # the API may be gone already (the cluster is closing)

@@ -44,7 +44,8 @@ BACKENDS = {  # (encoder-cache connector, KV connector, what their extra config 
 }
 
 
-@pytest.fixture(scope="module", params=list(BACKENDS))
+# shared storage in the slow tier (~30 s of pods): its stores pass tests/connectors' conformance
+@pytest.fixture(scope="module", params=["redis", pytest.param("shared", marks=pytest.mark.slow)])
 def pods(request, models, tmp_path_factory):
     ec_name, kv_name, key = BACKENDS[request.param]
     if key == "url":

@@ -109,6 +109,19 @@ def test_an_invalid_spec_sets_a_condition_and_an_event_and_creates_nothing(clust
     wait_for(lambda: condition(cluster.pool(NS, "bad"), "Degraded").get("status") == "False")
 
 
+def test_a_pool_scaled_to_no_router_is_ready_without_an_endpoint_to_wait_for(cluster, make_pool):
+    make_pool(pool_body("norouter", router={"replicas": 0}))
+
+    def ready():
+        cluster.make_pods_ready(NS, "norouter")
+        pool = cluster.pool(NS, "norouter")
+        return (pool.get("status") or {}).get("phase") == "Ready" and pool
+
+    pool = wait_for(ready, what="Ready")
+    assert pool["status"]["roles"]["router"] == {"desired": 0, "ready": 0}
+    assert condition(pool, "Ready")["reason"] == "AllReplicasReady"
+
+
 def test_ready_pods_make_the_pool_ready_with_counts_and_endpoint(cluster, make_pool):
     make_pool(pool_body("ready", roles={"prefill": {"replicas": 2}, "decode": {}}, cache=REDIS))
 
