@@ -37,29 +37,7 @@ def runtime_mounts() -> list[dict]:
     return []
 
 
-_CLUSTERS: list = []  # the running cluster, while e2e tests run
-_STOPPED: list = []
-
-
-def _stop(local) -> None:
-    """Stop the cluster once, and check it left nothing behind."""
-    if any(local is done for done in _STOPPED):
-        return
-    _STOPPED.append(local)
-    _CLUSTERS.clear()
-    local.__exit__(None, None, None)
-    leaks = local.leaks()
-    assert not leaks, f"left running after the e2e run: {leaks}"
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    """After the last e2e test, stop the cluster at once: a session fixture would keep its
-    control plane, operator and kubelet running beside every test that follows."""
-    result = yield
-    if _CLUSTERS and (nextitem is None or HERE not in Path(nextitem.path).parents):
-        _stop(_CLUSTERS[0])
-    return result
+_CLUSTERS: list = []
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -134,5 +112,8 @@ def cluster(e2e_workdir, tiny_models):
         local.control.restart("kube-controller-manager")
         _CLUSTERS.append(local)
         yield local
+        _CLUSTERS.clear()
     finally:
-        _stop(local)
+        local.__exit__(None, None, None)
+    leaks = local.leaks()
+    assert not leaks, f"left running after the e2e run: {leaks}"

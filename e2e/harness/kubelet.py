@@ -3,9 +3,9 @@
 Each Pod gets a network namespace (see netns.py); each container runs there through
 podinit.py with its env, volumes and security context. Volumes live as long as their pod:
 an emptyDir is a directory of the pod's, a memory emptyDir a tmpfs (of its sizeLimit). The
-kubelet runs startup, liveness and readiness probes, restarts exited containers
-(restartPolicy Always, with back-off), and reports the Pod's status through the API. Times from the spec (probe periods, back-off)
-are multiplied by `time_scale` so tests run in seconds; thresholds and timeouts are kept.
+kubelet runs startup, liveness and readiness probes, restarts exited containers (restartPolicy
+Always, with back-off) and reports the Pod's status through the API. Spec times (probe periods,
+back-off) are multiplied by `time_scale` so tests run in seconds; thresholds, timeouts are kept.
 
 It registers its Node and renews its Lease (node.py), sees the pods the real scheduler bound
 to it, asks the TokenRequest API for their ServiceAccount tokens, and resolves their claims
@@ -147,7 +147,6 @@ class PodRuntime:
             t.start()
         for t in killers:
             t.join()
-        EVENTS.add("kubelet", f"{self.namespace}/{self.name} containers stopped")
         try:
             self.kubelet.api.delete("Pod", self.namespace, self.name, grace=0)
         except Exception as exc:  # the API may be gone already (the cluster is closing)
@@ -196,8 +195,7 @@ class Kubelet:
     """Syncs pods bound to this node with local processes and reports their status."""
 
     def __init__(self, api, network: PodNetwork, config: NodeConfig, run_dir: Path):
-        self.api, self.network, self.config = api, network, config
-        self.run_dir = Path(run_dir)
+        self.api, self.network, self.config, self.run_dir = api, network, config, Path(run_dir)
         self.pods: dict[str, PodRuntime] = {}
         self.reported: dict[str, dict] = {}
         self.started_pids: set[int] = set()
