@@ -1,0 +1,175 @@
+"""Host time per decode step on a 1-layer model (issue #39's CPU measure; prints JSON).
+
+On a 1-layer tiny llama (bf16) the model's own work is small, so a decode step's time is
+mostly host work: scheduling, building the step's inputs, sampling, updating requests. Two
+measurements, each engine alone:
+
+- ``phases_us`` (ours): mean microseconds per decode step of each phase, timed by wrapping
+  the calls ``EngineCore.step`` makes (schedule; the runner's state update, input prepare,
+  device move, model forward, logits, sampling; the scheduler's update), at each batch size.
+  ``other`` is the step minus those phases (the executor seam, structured-output fill,
+  connector hooks, the loop itself).
+- ``step_ms`` (side by side with vLLM): each engine's offline ``LLM.generate`` of ``batch``
+  prompts of 8 tokens to 1 and to ``--steps + 1`` output tokens (``ignore_eos``); the
+  difference over ``--steps`` is the time of one decode step of the whole batch. Both at the
+  matched settings of ``bench/vs_vllm.py`` (block 32, 2,048 batched tokens, 256 sequences,
+  1 GiB KV), threads as each starts by default; medians of ``--rounds``.
+
+    .venv/bin/python bench/step_host_time.py [--batches 1,64,256] [--steps 32] [--rounds 3]
+        [--no-vllm] [--vllm-venv DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+PROMPT_LEN = 8
+
+
+def one_layer_checkpoint(out: Path) -> Path:
+    """The tiny llama preset in bf16, cut to its first decoder layer."""
+    from safetensors.torch import load_file, save_file
+    from vs_vllm_env import make_checkpoint
+
+    path = make_checkpoint(out, "tiny")
+    weights = path / "model.safetensors"
+    kept = {k: v for k, v in load_file(weights).items() if not k.startswith("model.layers.")}
+    kept |= {k: v for k, v in load_file(weights).items() if k.startswith("model.layers.0.")}
+    save_file(kept, weights, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+class Phases:
+    """Wall time of wrapped calls, accumulated by phase name."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+
+
+def phase_breakdown(model: Path, batch: int, steps: int) -> dict:
+    """Mean µs per decode step of each phase, ``batch`` requests decoding together."""
+    from vs_vllm_settings import KV_BYTES, MATCHED
+
+    from epdserve.engine.config import EngineConfig
+    from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
+    from epdserve.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(model), max_model_len=512, kv_cache_memory=KV_BYTES, **MATCHED)
+    core = EngineCore(config)
+    try:
+        runner = core.executor.worker.runner
+        phases = Phases()
+        phases.wrap(core.scheduler, "schedule", "schedule")
+        phases.wrap(runner, "_update_states", "runner state update")
+        phases.wrap(runner.batch, "prepare", "input prepare")
+        phases.wrap(runner.device_inputs, "move", "device move")
+        phases.wrap(runner.model, "forward", "model forward")
+        phases.wrap(runner.model, "compute_logits", "logits")
+        phases.wrap(runner, "_sample", "sample")
+        phases.wrap(core.scheduler, "update_from_output", "scheduler update")
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        for i in range(batch):
+            prompt = [10 + i % 3000, *range(11, 10 + PROMPT_LEN)]
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
+        while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+            core.step()  # prefill (and a first token) for every request
+        phases.seconds.clear()
+        total = 0.0
+        for _ in range(steps):
+            t = time.perf_counter()
+            core.step()
+            total += time.perf_counter() - t
+    finally:
+        core.close()
+    out = {name: round(s / steps * 1e6, 1) for name, s in phases.seconds.items()}
+    out["other"] = round((total - sum(phases.seconds.values())) / steps * 1e6, 1)
+    out["step"] = round(total / steps * 1e6, 1)
+    return out
+
+
+def step_ms(python: str, engine: str, model: Path, batches, steps: int, rounds: int) -> dict:
+    """Per-step ms of one engine's offline generate at each batch (see the docstring)."""
+    from vs_vllm import OfflineWorker
+    from vs_vllm_settings import base_env, engine_kwargs, variants
+
+    env = base_env() | next(iter(variants(engine, None, []).values()))
+    worker = OfflineWorker(python, engine, model, engine_kwargs("matched", engine), env)
+    out = {}
+    try:
+        for batch in batches:
+            per_step = []
+            for r in range(rounds):
+                cmd = {"seed": r, "prompts": batch, "prompt_len": PROMPT_LEN}
+                one = worker.run({**cmd, "output_len": 1})["seconds"]
+                many = worker.run({**cmd, "output_len": steps + 1})["seconds"]
+                per_step.append((many - one) / steps * 1e3)
+            out[str(batch)] = round(statistics.median(per_step), 3)
+    finally:
+        worker.close()
+    return out
+
+
+def main() -> None:
+    import sys
+
+    from vs_vllm_env import DEFAULT_VENV, cpu_info, ensure_vllm, venv_python
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get(
+        "EPDSERVE_VLLM_VENV", DEFAULT_VENV)))  # fmt: skip
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = one_layer_checkpoint(Path(tmp) / "one-layer")
+        result = {
+            "bench": "step_host_time",
+            "model": "llama tiny, 1 layer, bf16",
+            "cpu": cpu_info(),
+            "batches": batches,
+            "steps": args.steps,
+            "phases_us": {str(b): phase_breakdown(model, b, args.steps) for b in batches},
+        }
+        ours = step_ms(sys.executable, "epdserve", model, batches, args.steps, args.rounds)
+        result["step_ms"] = {"epdserve": ours}
+        if not args.no_vllm:
+            version, _ = ensure_vllm(args.vllm_venv, install=False)
+            if version:
+                python = str(venv_python(args.vllm_venv))
+                theirs = step_ms(python, "vllm", model, batches, args.steps, args.rounds)
+                result["step_ms"]["vllm"] = theirs
+                result["ratio_vllm_over_ours"] = {
+                    b: round(theirs[b] / ours[b], 2) for b in ours if ours[b] > 0
+                }
+            else:
+                result["vllm"] = "not installed (bench/vs_vllm.py --install-vllm)"
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
