@@ -40,8 +40,11 @@ def one_layer_checkpoint(out: Path) -> Path:
 
     path = make_checkpoint(out, "tiny")
     weights = path / "model.safetensors"
-    kept = {k: v for k, v in load_file(weights).items() if not k.startswith("model.layers.")}
-    kept |= {k: v for k, v in load_file(weights).items() if k.startswith("model.layers.0.")}
+    kept = {
+        k: v
+        for k, v in load_file(weights).items()
+        if not k.startswith("model.layers.") or k.startswith("model.layers.0.")
+    }
     save_file(kept, weights, metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     config["num_hidden_layers"] = 1

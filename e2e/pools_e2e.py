@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import yaml
+from events import stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
@@ -86,7 +86,7 @@ def ready_pod_ips(cluster, selector: str) -> list[str]:
 def failure(exc: BaseException) -> str:
     """A client error as a test records it: when (UTC, as the harness events), what, and
     what caused it (an APIConnectionError's cause tells refused from reset from cut)."""
-    text = f"{time.strftime('%H:%M:%S', time.gmtime())} {exc!r}"
+    text = f"{stamp()} {exc!r}"
     cause = exc.__cause__ or exc.__context__
     for _ in range(4):
         if cause is None:

@@ -143,7 +143,7 @@ class LocalCluster:
         svc = self.api.get("Service", namespace, name)
         ip = (svc or {}).get("spec", {}).get("clusterIP", "")
         deadline = time.monotonic() + 30
-        while serving and ip and ip != "None" and not self.routing.serves(ip):
+        while serving and ip and ip != "None" and not self.proxy.serves(ip):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)

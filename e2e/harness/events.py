@@ -9,6 +9,12 @@ import threading
 import time
 
 
+def stamp() -> str:
+    """The UTC time of day to the millisecond, as every event line starts."""
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}"
+
+
 class EventLog:
     """A bounded, thread-safe list of timestamped lines."""
 
@@ -17,9 +23,9 @@ class EventLog:
         self._lock = threading.Lock()
 
     def add(self, source: str, text: str) -> None:
-        stamp = time.strftime("%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}"
+        line = f"{stamp()} {source}: {text}"
         with self._lock:
-            self._lines.append(f"{stamp} {source}: {text}")
+            self._lines.append(line)
 
     def tail(self, n: int) -> list[str]:
         with self._lock:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import threading
 
-from events import EVENTS
-
 SERVICE_NAME = "kubernetes.io/service-name"
 
 
@@ -20,7 +18,6 @@ class ServiceRouting:
     def __init__(self, api, network, proxy, kubelet):
         self.api, self.network, self.proxy, self.kubelet = api, network, proxy, kubelet
         self.addresses: set[str] = set()  # cluster IPs added to the bridge
-        self.backends: dict[tuple[str, int], list] = {}  # what the proxy was last given
         self._lock = threading.Lock()
 
     def sync(self) -> None:
@@ -38,14 +35,8 @@ class ServiceRouting:
                 wanted |= self._proxy(svc, endpoints)
                 self._hosts_entries(svc, endpoints, hosts)
             for ip, port in self.proxy.ports() - wanted:
-                EVENTS.add("kube-proxy", f"{ip}:{port} no longer a Service port")
-                self.backends.pop((ip, port), None)
                 self.proxy.remove(ip, port)
             self._write_hosts(hosts)
-
-    def serves(self, ip: str) -> bool:
-        """Whether the proxy forwards some port of cluster IP `ip` to a ready endpoint."""
-        return any(backends for (addr, _), backends in list(self.backends.items()) if addr == ip)
 
     def _proxy(self, svc: dict, endpoints: list[tuple[str, dict]]) -> set[tuple[str, int]]:
         ip = svc["spec"].get("clusterIP")
@@ -59,9 +50,6 @@ class ServiceRouting:
             name = sp.get("name") or ""
             backends = [(addr, ports[name]) for addr, ports in endpoints if name in ports]
             where = f"{svc['metadata']['namespace']}/{svc['metadata']['name']}:{sp['port']}"
-            if self.backends.get((ip, sp["port"])) != backends:
-                EVENTS.add("kube-proxy", f"{where} backends {backends}")
-                self.backends[ip, sp["port"]] = backends
             self.proxy.set_backends(ip, sp["port"], backends, name=where)
             served.add((ip, sp["port"]))
         return served

@@ -39,13 +39,17 @@ class ServiceProxy:
     ):
         """Serve ip:port, forwarding to `backends` [(ip, port), ...] from now on; `name`
         (namespace/service) labels what it logs."""
-        self._backends[ip, port] = list(backends)
+        backends = list(backends)
         self._names[ip, port] = name or f"{ip}:{port}"
+        if self._backends.get((ip, port)) != backends:
+            EVENTS.add("kube-proxy", f"{self._names[ip, port]} backends {backends}")
+        self._backends[ip, port] = backends
         if (ip, port) not in self._servers:
             self._call(self._listen(ip, port, tls))
 
     def remove(self, ip: str, port: int) -> None:
         """Stop serving ip:port."""
+        EVENTS.add("kube-proxy", f"{self._names.pop((ip, port), (ip, port))} no longer served")
         self._backends.pop((ip, port), None)
         server = self._servers.pop((ip, port), None)
         if server is not None:
@@ -53,6 +57,10 @@ class ServiceProxy:
 
     def ports(self) -> set[tuple[str, int]]:
         return set(self._servers)
+
+    def serves(self, ip: str) -> bool:
+        """Whether some port of cluster IP `ip` is forwarded to a ready endpoint."""
+        return any(backends for (addr, _), backends in list(self._backends.items()) if addr == ip)
 
     async def _listen(self, ip: str, port: int, tls) -> None:
         async def handle(reader, writer):
@@ -69,6 +77,7 @@ class ServiceProxy:
 
     async def _forward(self, ip: str, port: int, reader, writer) -> None:
         backends = self._backends.get((ip, port)) or []
+        where = self._names.get((ip, port))
         upstream = None
         for _ in range(len(backends)):
             host, bport = backends[next(self._turn) % len(backends)]
@@ -76,11 +85,9 @@ class ServiceProxy:
                 upstream = await asyncio.wait_for(asyncio.open_connection(host, bport), 5)
                 break
             except (OSError, TimeoutError) as exc:
-                where = self._names.get((ip, port))
                 EVENTS.add("service-proxy", f"{where} -> {host}:{bport} failed: {exc!r}")
                 continue
         if upstream is None:
-            where = self._names.get((ip, port))
             EVENTS.add("service-proxy", f"{where} closed a connection: no backend took it")
             writer.close()
             return
