@@ -99,10 +99,17 @@ def test_a_priority_that_is_not_a_64_bit_integer_is_a_400_naming_it(prio_client,
 
 def test_the_64_bit_bounds_are_accepted_streamed_or_not(prio_client):
     out = prio_client.completions.create(
-        model="tiny", prompt="x", max_tokens=1, extra_body={"priority": (1 << 63) - 1}
+        model="tiny",
+        prompt="x",
+        max_tokens=1,
+        extra_body={"priority": (1 << 63) - 1, "ignore_eos": True},
     )
     assert out.choices[0].finish_reason == "length"
     stream = prio_client.completions.create(
-        model="tiny", prompt="x", max_tokens=1, stream=True, extra_body={"priority": -(1 << 63)}
+        model="tiny",
+        prompt="x",
+        max_tokens=1,
+        stream=True,
+        extra_body={"priority": -(1 << 63), "ignore_eos": True},
     )
     assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"

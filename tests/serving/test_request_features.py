@@ -176,6 +176,6 @@ def test_fcfs_refuses_a_non_zero_priority_naming_it_and_takes_zero(client, strea
     assert err.value.body["param"] == "priority"
     assert "--scheduling-policy priority" in err.value.body["message"]
     out = client.completions.create(
-        model="tiny", prompt="x", max_tokens=1, extra_body={"priority": 0}
+        model="tiny", prompt="x", max_tokens=1, extra_body={"priority": 0, "ignore_eos": True}
     )
-    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].finish_reason == "length"  # sampled: only ignore_eos rules out EOS
