@@ -217,7 +217,7 @@ def test_a_prefill_for_a_decode_pod_compiles_no_grammar(models):
     from epdserve.engine.config import EngineConfig
 
     core = EngineCore(EngineConfig(model=str(models.get("llama")), max_num_seqs=4))
-    params = SamplingParams(max_tokens=1, structured_outputs=SO(regex="q+"))
+    params = SamplingParams(max_tokens=1, ignore_eos=True, structured_outputs=SO(regex="q+"))
     req = EngineCoreRequest("p", [5, 6, 7], params, kv_transfer_params={"do_remote_decode": True})
     core.add_request(req)
     outs: dict = {}
