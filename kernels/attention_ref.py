@@ -50,6 +50,7 @@ def paged_attention_ref(
     soft_cap: float | None = None,
     *,
     native_decode: bool = True,
+    step_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; returns ``out[T, H, D]`` in query's dtype.
 
@@ -65,12 +66,15 @@ def paged_attention_ref(
         sliding_window, soft_cap,
     )  # fmt: skip
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    _check_lengths(q_lens, lens, block_table.shape[1] * key_cache.shape[1])
+    capacity = block_table.shape[1] * key_cache.shape[1]
+    plan = step_cache.get(("ref", capacity)) if step_cache is not None else None
+    if plan is None:
+        plan = _Lengths(query_start_loc, seq_lens, capacity)
+        if step_cache is not None:
+            step_cache[("ref", capacity)] = plan
+    starts, lens, q_lens = plan.starts, plan.lens, plan.q_lens
     args = (key_cache, value_cache, block_table, scale, sliding_window, soft_cap)
-    prefill = [i for i, n in enumerate(q_lens) if n > 1]
+    prefill = plan.prefill
     if prefill and native_decode and native.prefill_supports(query, key_cache, value_cache):
         # fp32 plain prompts stay on SDPA's causal kernel, bit for bit what transformers
         # computes; in bf16 the C kernel (1.8-3x faster there) takes them too: it agrees with
@@ -81,9 +85,9 @@ def paged_attention_ref(
                           [i for i in prefill if q_lens[i] < lens[i] or not plain])  # fmt: skip
         if spans:
             _prefill_native(out, query, spans, starts, q_lens, lens, args)  # before decode
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    decode = plan.decode
     if decode and native_decode and native.supports(query, key_cache, value_cache):
-        _decode_native(out, query, decode, starts, lens, args)
+        _decode_native(out, query, plan, args)
         decode = []
     bs = key_cache.shape[1]
     for group in length_groups(decode, [-(-lens[i] // bs) for i in decode]):
@@ -110,17 +114,44 @@ def _prefill_native(out, query, prefill, starts, q_lens, lens, args) -> None:
                                    scale, window, soft_cap))  # fmt: skip
 
 
-def _decode_native(out, query, decode, starts, lens, args) -> None:
+def _decode_native(out, query, plan: _Lengths, args) -> None:
     """All decode sequences in one call of the C kernel, reading the cache in place."""
     key_cache, value_cache, block_table, scale, window, soft_cap = args
-    if len(decode) == len(starts) - 1:  # every sequence decodes, in order
+    rows, seqs, lens = plan.decode_args()
+    if rows is None:  # every sequence decodes, in order
         out.copy_(native.paged_decode(query, key_cache, value_cache, block_table, None, lens,
                                       scale, window, soft_cap))  # fmt: skip
         return
-    rows = torch.tensor([starts[i] for i in decode], device=query.device)
     res = native.paged_decode(query.index_select(0, rows), key_cache, value_cache, block_table,
-                              decode, [lens[i] for i in decode], scale, window, soft_cap)  # fmt: skip
+                              seqs, lens, scale, window, soft_cap)  # fmt: skip
     out.index_copy_(0, rows, res)
+
+
+class _Lengths:
+    """What a call derives from the batch geometry alone (host lists, the decode kernel's
+    int32 arguments), checked once: every layer of a step shares it (``step_cache``)."""
+
+    def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, capacity: int):
+        self.starts = starts = query_start_loc.tolist()
+        self.lens = lens = seq_lens.tolist()
+        self.q_lens = q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        _check_lengths(q_lens, lens, capacity)
+        self.prefill = [i for i, n in enumerate(q_lens) if n > 1]
+        self.decode = [i for i, n in enumerate(q_lens) if n == 1]
+        self._seq_lens, self._decode_args = seq_lens, None
+
+    def decode_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """The decode sequences' query rows and table rows (None: all, in order), and their
+        lengths, as the C kernel takes them; built on first use."""
+        if self._decode_args is None:
+            d = self.decode
+            if len(d) == len(self.lens):
+                self._decode_args = (None, None, self._seq_lens.to(torch.int32).contiguous())
+            else:
+                rows = torch.tensor([self.starts[i] for i in d], device=self._seq_lens.device)
+                lens = torch.tensor([self.lens[i] for i in d], dtype=torch.int32)
+                self._decode_args = (rows, torch.tensor(d, dtype=torch.int32), lens)
+        return self._decode_args
 
 
 def _check_lengths(q_lens: list[int], lens: list[int], capacity: int) -> None:

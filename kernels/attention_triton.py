@@ -124,7 +124,7 @@ def _attend_pages(
 
 def paged_attention_triton(
     query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-    sliding_window=None, soft_cap=None,
+    sliding_window=None, soft_cap=None, step_cache=None,
 ):  # fmt: skip
     """Triton launcher of ``paged_attention`` (semantics: ``attention_ref.paged_attention_ref``).
 
@@ -138,12 +138,15 @@ def paged_attention_triton(
     )  # fmt: skip
     native = query.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") != "1"
     return launch(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                  scale, sliding_window, soft_cap, native_dot=native)  # fmt: skip
+                  scale, sliding_window, soft_cap, native_dot=native,
+                  step_cache=step_cache)  # fmt: skip
 
 
 def launch(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-           sliding_window, soft_cap, native_dot: bool, block_q: int | None = None):  # fmt: skip
-    """Launch the kernel on validated arguments (tests pick ``native_dot`` and ``block_q``)."""
+           sliding_window, soft_cap, native_dot: bool, block_q: int | None = None,
+           step_cache: dict | None = None):  # fmt: skip
+    """Launch the kernel on validated arguments (tests pick ``native_dot`` and ``block_q``).
+    The tile map is built once per step when ``step_cache`` is given (every layer shares it)."""
     block_size = key_cache.shape[1]
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"key_cache block_size must be a power of two >= 16, got {block_size}")
@@ -160,7 +163,13 @@ def launch(query, key_cache, value_cache, block_table, seq_lens, query_start_loc
         decode = num_tokens == seq_lens.shape[0]
         block_q = 1 if decode else max(1, ROWS_PER_TILE // block_g)
     block_g = max(block_g, triton.cdiv(16, block_q))  # tl.dot needs >= 16 rows
-    tile_seq, tile_idx = _tiles(query_start_loc, num_tokens, block_q)
+    key = ("tiles", num_tokens, block_q)
+    tiles = None if step_cache is None else step_cache.get(key)
+    if tiles is None:
+        tiles = _tiles(query_start_loc, num_tokens, block_q)
+        if step_cache is not None:
+            step_cache[key] = tiles
+    tile_seq, tile_idx = tiles
     _paged_attention_kernel[(tile_seq.shape[0], kv_heads)](
         query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
         tile_seq, tile_idx, seq_lens.shape[0],

@@ -54,12 +54,16 @@ class KernelBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        step_cache: dict | None = None,
     ) -> torch.Tensor:
         """Causal paged attention over a mixed batch; returns a new ``out[T, H, D]``.
 
         Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i+1]``, the last
         ``q_len`` positions of its ``seq_lens[i]``-token context. Mutates nothing; cache
-        layout, GQA, ``sliding_window`` and ``soft_cap`` as ``attention_ref`` says."""
+        layout, GQA, ``sliding_window`` and ``soft_cap`` as ``attention_ref`` says.
+        ``step_cache`` (the step's ``AttentionMetadata.step_cache``, shared by every layer of
+        one step) keeps what a kernel derives from the batch geometry alone, so the first
+        layer derives it and the others reuse it; None derives it on every call."""
 
     @abstractmethod
     def reshape_and_cache(

@@ -65,6 +65,7 @@ class StoredKVDtype(KernelBackend):
         scale,
         sliding_window=None,
         soft_cap=None,
+        step_cache=None,  # not passed on: the readable copy's table is this call's own
     ) -> torch.Tensor:
         keys, values, table = readable_blocks(key_cache, value_cache, block_table, query.dtype)
         return self.inner.paged_attention(

@@ -12,7 +12,7 @@ gate/up and down projections' outputs, per token's adapter slot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +43,9 @@ class AttentionMetadata:
     # whose tokens attend to each other bidirectionally (Gemma3)
     bidirectional_spans: tuple[tuple[int, int, int], ...] = ()
     lora: LoRABatch | None = None  # the step's adapters; None: every row is the base model
+    # what kernels derive from this step's geometry, derived by the first layer and reused by
+    # the others (the attention backends' ``step_cache``); a new metadata starts empty
+    step_cache: dict = field(default_factory=dict)
 
 
 class DecoderLayer:
@@ -251,5 +254,6 @@ def self_attention(
         scale,
         sliding_window=window,
         soft_cap=soft_cap,
+        step_cache=meta.step_cache,
     )
     return out, q
