@@ -35,6 +35,7 @@ class StepInputs:
     sample_req_ids: list[str]
     order: list[str]  # request ids in batch order
     lora_slots: torch.Tensor | None = None  # int32 [T] adapter slot per token; None: no adapter
+    rows: np.ndarray | None = None  # each sequence's InputBatch row (its whole block table)
 
 
 class InputBatch:
@@ -142,4 +143,5 @@ class InputBatch:
             sample_req_ids=[r for r, s in zip(order, samples, strict=True) if s],
             order=order,
             lora_slots=lora,
+            rows=rows,
         )

@@ -39,6 +39,7 @@ class ModelRunner:
         spec: KVCacheSpec | None = None,
         lora=None,
         kv_dtype: torch.dtype | None = None,  # what the cache stores (None: the model's)
+        max_num_tokens: int | None = None,  # the largest step (None: max_model_len)
     ):
         cfg = model.config
         self.model = model
@@ -57,7 +58,13 @@ class ModelRunner:
         self.batch = InputBatch(
             max_num_reqs, max_model_len, block_size, len(spec.groups), model.device
         )
-        self.device_inputs = DeviceInputs(model.device)  # pinned staging off the CPU
+        self.device_inputs = DeviceInputs(  # off the CPU: one packed copy per step
+            model.device,
+            max_num_tokens or max(max_model_len, max_num_reqs),
+            max_num_reqs,
+            self.batch.block_table.shape[2],
+            len(spec.groups),
+        )
         self.sampler = StepSampler(model, self.batch)
         self.kv_connector = kv_connector  # worker side of a KV connector, if any
         self.encoder_outputs = (
@@ -107,7 +114,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         inputs = self.batch.prepare(sched.num_scheduled_tokens)  # host tensors
-        dev = self.device_inputs.move(inputs)  # the same on the model's device
+        dev = self.device_inputs.move(inputs, self.batch.block_table)  # on the model's device
         metas = [
             AttentionMetadata(dev.positions, slots, table, dev.seq_lens, dev.query_start_loc)
             for slots, table in zip(dev.slot_mapping, dev.block_table, strict=True)

@@ -119,6 +119,7 @@ class Worker:
             kv.spec,
             self.lora,
             kv_dtype,
+            cfg.max_num_batched_tokens,
         )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
