@@ -14,6 +14,9 @@ measurements, each engine alone:
   difference over ``--steps`` is the time of one decode step of the whole batch. Both at the
   matched settings of ``bench/vs_vllm.py`` (block 32, 2,048 batched tokens, 256 sequences,
   1 GiB KV), threads as each starts by default; medians of ``--rounds``.
+- ``attention_layer_us`` (ours): one layer's decode attention call with and without the
+  step's shared geometry (``AttentionMetadata.step_cache``): the host time each layer after
+  the first saves, which a 1-layer model cannot show.
 
     .venv/bin/python bench/step_host_time.py [--batches 1,64,256] [--steps 32] [--rounds 3]
         [--no-vllm] [--vllm-venv DIR]
@@ -134,6 +137,40 @@ def step_ms(python: str, engine: str, model: Path, batches, steps: int, rounds: 
     return out
 
 
+def attention_layer_us(batch: int, calls: int = 400) -> dict[str, float]:
+    """Mean µs of one layer's decode attention call of ``batch`` sequences (qwen2.5-0.5b's
+    heads: 14 query, 2 KV, head dim 64; 200-token contexts; bf16; block 32): ``alone``
+    derives the step's geometry itself (every layer before #39, and the first layer now);
+    ``shared`` takes it from the step's ``step_cache`` (every later layer now). The kernel's
+    own work is the same in both; the difference is host time saved per layer."""
+    import torch
+
+    from epdserve.kernels.backends import get_backend
+
+    backend, bs, ctx = get_backend(None, "cpu"), 32, 200
+    per_seq = -(-ctx // bs)
+    kc = torch.randn(batch * per_seq + 1, bs, 2, 64, dtype=torch.bfloat16)
+    args = (
+        torch.randn(batch, 14, 64, dtype=torch.bfloat16),
+        kc,
+        torch.randn_like(kc),
+        torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq),
+        torch.full((batch,), ctx, dtype=torch.int32),
+        torch.arange(batch + 1, dtype=torch.int32),
+        0.125,
+    )
+    out = {}
+    for name in ("alone", "shared", "alone", "shared"):  # the second pass is kept
+        cache: dict = {}
+        backend.paged_attention(*args, step_cache=cache)  # the first layer fills it
+        t = time.perf_counter()
+        for _ in range(calls):
+            backend.paged_attention(*args, step_cache=cache if name == "shared" else None)
+        out[name] = round((time.perf_counter() - t) / calls * 1e6, 1)
+    out["saved_per_layer"] = round(out["alone"] - out["shared"], 1)
+    return out
+
+
 def main() -> None:
     import sys
 
@@ -157,6 +194,7 @@ def main() -> None:
             "batches": batches,
             "steps": args.steps,
             "phases_us": {str(b): phase_breakdown(model, b, args.steps) for b in batches},
+            "attention_layer_us": {str(b): attention_layer_us(b) for b in batches},
         }
         ours = step_ms(sys.executable, "epdserve", model, batches, args.steps, args.rounds)
         result["step_ms"] = {"epdserve": ours}
