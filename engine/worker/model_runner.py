@@ -77,6 +77,7 @@ class ModelRunner:
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
+            self.sampler.remove(req_id)  # before the batch frees the row
             self.batch.remove(req_id)
             self.mm_features.pop(req_id, None)
         for new in sched.scheduled_new_reqs:
@@ -89,6 +90,7 @@ class ModelRunner:
                 new.num_prompt_tokens,
                 new.lora_slot,
             )
+            self.sampler.add(new.req_id)  # the row's sampling parameters
             if new.mm_features:
                 self.mm_features[new.req_id] = new.mm_features
         cached = sched.scheduled_cached_reqs

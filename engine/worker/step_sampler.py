@@ -1,6 +1,12 @@
 """The sampling half of a step (DESIGN.md §10): the forward's logits become tokens, appended
 to the ``InputBatch``'s histories, with the log-probabilities requests asked for. Under tensor
-parallelism the output rank samples and the other ranks follow its tokens."""
+parallelism the output rank samples and the other ranks follow its tokens.
+
+Each row's sampling parameters live in a ``SamplingState`` written when a request joins or
+leaves (``add``/``remove``, called by the runner next to the batch's own; a row whose request
+was not added is added when it first samples); a step gathers its
+rows' parameters with one index per array, and penalties, logit bias, min-tokens masks and
+logprobs run as batched tensor ops. The tokens (and logprobs) come back in one copy."""
 
 from __future__ import annotations
 
@@ -8,7 +14,18 @@ import numpy as np
 import torch
 
 from epdserve.engine.core.interfaces import SchedulerOutput
-from epdserve.engine.sample.sampler import SamplingRow, argmax_rows, compute_logprobs, sample
+from epdserve.engine.sample.host_copy import HostCopy
+from epdserve.engine.sample.ops import (
+    add_at,
+    apply_penalties,
+    batch_logprobs,
+    compute_logprobs,
+    mask_at,
+    penalty_index,
+    split_logprobs,
+)
+from epdserve.engine.sample.sampler import argmax_rows, sample
+from epdserve.engine.sample.state import SamplingState
 from epdserve.engine.structured.mask import apply_bitmask
 from epdserve.engine.worker.input_batch import InputBatch
 
@@ -17,56 +34,110 @@ class StepSampler:
     def __init__(self, model, batch: InputBatch):
         self.model = model
         self.batch = batch
+        eos = getattr(getattr(model, "config", None), "eos_token_ids", None) or ()
+        self.state = SamplingState(batch.token_ids.shape[0], eos[0] if eos else None)
+        self.host = HostCopy(model.device)
+
+    def add(self, req_id: str) -> None:
+        """A request joined the batch (after ``InputBatch.add``)."""
+        self._join(self.batch.states[req_id])
+
+    def _join(self, s) -> int:
+        self.state.add(s.row, s.params, s.num_prompt_tokens, s.generator, owner=s)
+        return s.row
+
+    def remove(self, req_id: str) -> None:
+        """A request leaves the batch (before ``InputBatch.remove`` frees its row)."""
+        s = self.batch.states.get(req_id)
+        if s is not None:
+            self.state.remove(s.row)
 
     def sample(self, logits: torch.Tensor, req_ids: list[str], sched: SchedulerOutput):
-        states = [self.batch.states[r] for r in req_ids]
-        tokens = raw_logprobs = None
+        states, owner = self.batch.states, self.state.owner
+        rows = np.fromiter(  # a request not added yet (or whose row changed hands) joins now
+            (
+                s.row if owner[s.row] is s else self._join(s)
+                for s in map(states.__getitem__, req_ids)
+            ),
+            dtype=np.int64,
+            count=len(req_ids),
+        )
+        tokens = raw = None
         try:
-            tokens, raw_logprobs = self._choose(logits, req_ids, states, sched)
+            tokens, raw = self._choose(logits, rows, req_ids, sched)
         finally:  # the other ranks wait for the tokens: -1s when sampling raised
             if self.model.tp.size > 1:
                 sent = torch.full((len(req_ids),), -1, dtype=torch.int64, device=logits.device)
                 tokens = self.model.tp.broadcast(sent if tokens is None else tokens.to(torch.int64))
-        want_lp = [s.params.logprobs for s in states]
-        batch_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        token_np = tokens.cpu().numpy()  # the step's one host sync on a device
-        self.batch.append_token(batch_rows, token_np)
-        token_list = token_np.tolist()
-        sampled = {r: [t] for r, t in zip(req_ids, token_list, strict=True)}
+        want = lp = None
+        if raw is not None:  # the logprobs of the rows that want them, on the device
+            want, raw_lp = raw
+            ks = self.state.logprobs[rows[want]]
+            chosen = tokens if len(want) == len(rows) else tokens[_on(want, tokens.device)]
+            lp = batch_logprobs(raw_lp, chosen, int(ks.max()))
+        token_np, *lp_np = self.host.start(tokens, *(lp or ())).wait()  # the step's one sync
+        self.batch.append_token(rows, token_np)
+        sampled = {r: [t] for r, t in zip(req_ids, token_np.tolist(), strict=True)}
         logprobs = {}
-        if raw_logprobs is not None:
-            for i, (req_id, k) in enumerate(zip(req_ids, want_lp, strict=True)):
-                if k is not None:
-                    logprobs[req_id] = compute_logprobs(
-                        raw_logprobs[i : i + 1], tokens[i : i + 1], k
-                    )
+        if lp is not None:
+            per = split_logprobs(*(a.tolist() for a in lp_np), ks.tolist())
+            logprobs = {req_ids[i]: one for i, one in zip(want.tolist(), per, strict=True)}
         return sampled, logprobs
 
-    def _choose(self, logits: torch.Tensor, req_ids, states, sched: SchedulerOutput):
-        """The step's tokens, and the model's log-probabilities if a request wants them."""
-        params = [s.params for s in states]
-        all_greedy = all(p.greedy for p in params)
-        want_lp = [p.logprobs for p in params]
-        raw_logprobs = None
-        if want_lp.count(None) != len(want_lp):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # of the model, before any bias
-        if any(p.logit_bias for p in params):
-            for i, p in enumerate(params):
-                if p.logit_bias:
-                    ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
-                    bias = torch.tensor(
-                        list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device
-                    )
-                    logits[i].index_add_(0, ids, bias)
+    def _choose(self, logits: torch.Tensor, rows: np.ndarray, req_ids, sched: SchedulerOutput):
+        """The step's tokens, and ``(rows, log-probabilities)`` of the rows that want them."""
+        logits, raw = self.process(logits, rows, req_ids, sched)
+        if self.state.greedy[rows].all():
+            return argmax_rows(logits), raw  # no per-step parameters to gather
+        return sample(logits, self.state.gather(rows)), raw
+
+    def process(self, logits: torch.Tensor, rows: np.ndarray, req_ids, sched: SchedulerOutput):
+        """The logits to sample from (bias, min-tokens masks, grammar, penalties; ``logits``
+        may change in place), and the raw logprobs of the rows that want them."""
+        st, vocab = self.state, logits.shape[1]
+        raw = None
+        if st.num_logprobs:
+            want = np.flatnonzero(st.logprobs[rows] >= 0)
+            if want.size:  # of the model, before any bias
+                sub = logits if want.size == len(rows) else logits[_on(want, logits.device)]
+                raw = (want, torch.log_softmax(sub, dim=-1))
+        if st.num_bias and (found := st.bias.entries(rows, vocab)) is not None:
+            add_at(logits, *found)
+        if st.num_min_tokens:
+            found = st.min_tokens_entries(rows, self.batch.num_tokens, vocab)
+            if found is not None:  # EOS and stop tokens cannot come before min_tokens
+                mask_at(logits, *found)
         if sched.grammar_req_ids:  # structured outputs: only the grammar's tokens remain
-            row = {r: i for i, r in enumerate(req_ids)}
-            rows = [row[r] for r in sched.grammar_req_ids]
-            apply_bitmask(logits, rows, sched.grammar_bitmask, len(rows))
-        if all_greedy and not any(p.needs_penalties for p in params):
-            tokens = argmax_rows(logits)  # no per-row sampling state to build
-        else:
-            tokens = sample(logits, [self._sampling_row(s) for s in states], all_greedy)
-        return tokens, raw_logprobs
+            index = {r: i for i, r in enumerate(req_ids)}
+            grammar_rows = [index[r] for r in sched.grammar_req_ids]
+            apply_bitmask(logits, grammar_rows, sched.grammar_bitmask, len(grammar_rows))
+        if st.num_penalised:
+            pen = np.flatnonzero(st.penalised[rows])
+            if pen.size:
+                logits = self._penalise(logits, rows, pen)
+        return logits, raw
+
+    def _penalise(self, logits: torch.Tensor, rows: np.ndarray, pen: np.ndarray):
+        """Penalties of the rows ``pen`` (indices into ``rows``), from the batch's padded
+        token histories: one scatter-add, whatever the rows and their lengths."""
+        st, b = self.state, self.batch
+        prow = rows[pen]
+        lengths = b.num_tokens[prow]
+        history = b.token_ids[prow, : int(lengths.max())]
+        index = penalty_index(history, lengths, st.num_prompt[prow], logits.shape[1])
+        whole = pen.size == len(rows)
+        at = None if whole else _on(pen, logits.device)
+        out = apply_penalties(
+            logits if whole else logits[at],
+            index,
+            st.repetition[prow],
+            st.frequency[prow],
+            st.presence[prow],
+        )
+        if whole:
+            return out
+        logits[at] = out
+        return logits
 
     def follow(self, req_ids: list[str]) -> None:
         """Append the tokens the output rank sampled (tensor parallelism, other ranks)."""
@@ -76,15 +147,6 @@ class StepSampler:
             raise RuntimeError("the output rank could not sample this step")
         rows = [self.batch.states[r].row for r in req_ids]
         self.batch.append_token(np.asarray(rows, dtype=np.int64), token_np)
-
-    def _sampling_row(self, state) -> SamplingRow:
-        row = SamplingRow(state.params, state.generator)
-        if state.params.needs_penalties:
-            n = int(self.batch.num_tokens[state.row])
-            ids = self.batch.token_ids[state.row, :n].tolist()
-            row.prompt_ids = ids[: state.num_prompt_tokens]
-            row.output_ids = ids[state.num_prompt_tokens :]
-        return row
 
     def prompt_logprobs(self, hidden: torch.Tensor, inputs) -> dict:
         out = {}
@@ -108,3 +170,7 @@ class StepSampler:
             ).to(hidden.device)
             out[req_id] = compute_logprobs(torch.log_softmax(logits, -1), targets, k)
         return out
+
+
+def _on(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a).to(device)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from epdserve.engine.sample.sampler import SamplingRow, sample
+from epdserve.engine.sample.sampler import sample
+from epdserve.engine.sample.state import StepParams
 from epdserve.engine.sampling_params import SamplingParams
 
 PROBS = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
@@ -12,13 +13,13 @@ PROBS = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
 
 def rows(n, seed=None, **params):
     gen = (lambda: torch.Generator().manual_seed(seed)) if seed is not None else (lambda: None)
-    return [SamplingRow(SamplingParams(temperature=1.0, **params), gen()) for _ in range(n)]
+    return StepParams.of([SamplingParams(temperature=1.0, **params)] * n, [gen() for _ in range(n)])
 
 
 def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token():
     torch.manual_seed(0)
     n = 40_000
-    tokens = sample(PROBS.log().repeat(n, 1), rows(n), all_greedy=False)
+    tokens = sample(PROBS.log().repeat(n, 1), rows(n))
     freq = torch.bincount(tokens, minlength=len(PROBS)).double() / n
     assert freq[1] == 0 and freq[5] == 0
     assert torch.allclose(freq, PROBS.double(), atol=0.01), freq
@@ -26,16 +27,17 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token()
 
 def test_top_k_masked_tokens_are_never_drawn():
     torch.manual_seed(1)
-    tokens = sample(PROBS.log().repeat(2000, 1), rows(2000, top_k=2), all_greedy=False)
+    tokens = sample(PROBS.log().repeat(2000, 1), rows(2000, top_k=2))
     assert set(tokens.tolist()) == {3, 4}
 
 
 def test_a_seeded_row_draws_the_same_token_whatever_its_neighbours():
     logits = torch.randn(1, 64)
-    alone = sample(logits.clone(), rows(1, seed=7), all_greedy=False)
+    alone = sample(logits.clone(), rows(1, seed=7))
     torch.manual_seed(123)
     batch = torch.cat([torch.randn(3, 64), logits])
-    mixed = sample(batch, rows(3) + rows(1, seed=7), all_greedy=False)
+    params = [SamplingParams()] * 3 + [SamplingParams(seed=7)]
+    mixed = sample(batch, StepParams.of(params, [None] * 3 + [torch.Generator().manual_seed(7)]))
     assert mixed[3] == alone[0]
 
 
@@ -53,6 +55,6 @@ def test_the_bucketed_search_picks_what_a_full_cumulative_sum_picks():
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
     torch.manual_seed(4)
     logits = torch.randn(8, 50)
-    mixed = [SamplingRow(SamplingParams(temperature=0.0 if i % 2 else 1.0), None) for i in range(8)]
-    tokens = sample(logits.clone(), mixed, all_greedy=False)
+    mixed = StepParams.of([SamplingParams(temperature=0.0 if i % 2 else 1.0) for i in range(8)])
+    tokens = sample(logits.clone(), mixed)
     assert torch.equal(tokens[1::2], logits[1::2].argmax(-1))
