@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from epdserve.engine.models.bidirectional import attend_spans
+from epdserve.engine.models.bidirectional import ImageSpans, attend_spans
 from epdserve.engine.models.config import ModelConfig
 from epdserve.engine.models.layers import gathered_logits, vocab_embedding
 from epdserve.engine.models.rope import cos_sin_cache
@@ -39,9 +39,10 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [S, MB] int32
     seq_lens: torch.Tensor  # [S] int32
     query_start_loc: torch.Tensor  # [S+1] int32
-    # (sequence index, first position, end position) of image spans in this step's queries,
-    # whose tokens attend to each other bidirectionally (Gemma3)
-    bidirectional_spans: tuple[tuple[int, int, int], ...] = ()
+    # image spans in this step's queries, whose tokens attend to each other bidirectionally
+    # (Gemma3): ImageSpans built on the host once per step (raw (sequence index, first
+    # position, end position) triples only on host metadata, in direct model tests)
+    bidirectional_spans: ImageSpans | tuple[tuple[int, int, int], ...] = ()
     lora: LoRABatch | None = None  # the step's adapters; None: every row is the base model
     # what kernels derive from this step's geometry, derived by the first layer and reused by
     # the others (the attention backends' ``step_cache``); a new metadata starts empty

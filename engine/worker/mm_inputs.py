@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from epdserve.engine.core.interfaces import MissingPixelsError
+from epdserve.engine.models.bidirectional import ImageSpans
 
 
 class EncoderOutputs:
@@ -28,8 +29,8 @@ class EncoderOutputs:
             [f.identifier for f in todo], [(f.length, hidden) for f in todo], dtype
         )
         for f, out in zip(todo, loaded, strict=True):
-            if out is not None:
-                self.outputs[f.identifier] = out
+            if out is not None:  # kept on the device, as encoded ones are
+                self.outputs[f.identifier] = to_device(out, self.encoder.proj.device)
                 self.num_loads += 1
 
     def encode(self, features) -> None:
@@ -39,15 +40,11 @@ class EncoderOutputs:
         missing = [f.identifier for f in todo if not f.data]
         if missing:
             raise MissingPixelsError(missing)
-        pixels = torch.stack(
-            [
-                torch.from_numpy(
-                    np.frombuffer(f.data, dtype=np.dtype(f.dtype)).reshape(f.shape).copy()
-                )
-                for f in todo
-            ]
+        pixels = np.stack(  # one copy out of the read-only buffers
+            [np.frombuffer(f.data, dtype=np.dtype(f.dtype)).reshape(f.shape) for f in todo]
         )
-        embeds = self.encoder.encode(pixels.to(self.encoder.proj.device))  # the weights' device
+        # the tower runs where its weights are
+        embeds = self.encoder.encode(to_device(torch.from_numpy(pixels), self.encoder.proj.device))
         for f, out in zip(todo, embeds, strict=True):
             if out.shape[0] != f.length:
                 raise ValueError(
@@ -67,28 +64,39 @@ class EncoderOutputs:
             self.outputs.pop(identifier, None)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory without waiting (an
+    ordinary copy from pageable memory waits for the device's queue to drain)."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def place_image_embeddings(
     embeds: torch.Tensor, order, starts, counts, qsl, features_of, outputs: EncoderOutputs
-):
-    """Write encoder outputs into ``embeds`` rows; returns the bidirectional spans (``outputs``
-    None: the spans only, on a tensor-parallel rank that takes the output rank's embeddings)."""
-    spans = []
+) -> ImageSpans:
+    """Write encoder outputs into ``embeds`` rows; returns the step's bidirectional spans
+    (``outputs`` None: the spans only, on a tensor-parallel rank that takes the output rank's
+    embeddings). ``starts``, ``counts`` and ``qsl`` are the host-side step inputs: each
+    sequence's first position, query count and first flat row."""
+    starts, counts, qsl = (x.tolist() if torch.is_tensor(x) else x for x in (starts, counts, qsl))
+    triples = []
     for i, req_id in enumerate(order):
         feats = features_of(req_id)
         if not feats:
             continue
-        start, n = int(starts[i]), int(counts[i])
+        start, n = starts[i], counts[i]
         for f in feats:
             a, b = max(f.offset, start), min(f.end, start + n)
             if a >= b:
                 continue
-            spans.append((i, f.offset, f.end))
+            triples.append((i, f.offset, f.end))
             if outputs is None:
                 continue
             out = outputs.outputs.get(f.identifier)
             if out is None:  # not scheduled for encoding (should not happen): encode, don't die
                 outputs.encode([f])
                 out = outputs.outputs[f.identifier]
-            row = int(qsl[i]) + a - start
+            row = qsl[i] + a - start
             embeds[row : row + (b - a)] = out[a - f.offset : b - f.offset].to(embeds.dtype)
-    return tuple(spans)
+    return ImageSpans.build(triples, starts, counts, qsl)
