@@ -21,7 +21,7 @@ from epdserve.engine.sample.ops import (
     batch_logprobs,
     compute_logprobs,
     mask_at,
-    penalty_index,
+    penalty_entries,
     split_logprobs,
 )
 from epdserve.engine.sample.sampler import argmax_rows, sample
@@ -114,30 +114,25 @@ class StepSampler:
         if st.num_penalised:
             pen = np.flatnonzero(st.penalised[rows])
             if pen.size:
-                logits = self._penalise(logits, rows, pen)
+                self._penalise(logits, rows, pen)
         return logits, raw
 
-    def _penalise(self, logits: torch.Tensor, rows: np.ndarray, pen: np.ndarray):
+    def _penalise(self, logits: torch.Tensor, rows: np.ndarray, pen: np.ndarray) -> None:
         """Penalties of the rows ``pen`` (indices into ``rows``), from the batch's padded
-        token histories: one scatter-add, whatever the rows and their lengths."""
+        token histories, as batched ops on their distinct tokens."""
         st, b = self.state, self.batch
         prow = rows[pen]
         lengths = b.num_tokens[prow]
         history = b.token_ids[prow, : int(lengths.max())]
-        index = penalty_index(history, lengths, st.num_prompt[prow], logits.shape[1])
-        whole = pen.size == len(rows)
-        at = None if whole else _on(pen, logits.device)
-        out = apply_penalties(
-            logits if whole else logits[at],
-            index,
-            st.repetition[prow],
-            st.frequency[prow],
-            st.presence[prow],
+        i, token, count = penalty_entries(history, lengths, st.num_prompt[prow], logits.shape[1])
+        src = prow[i]  # each entry's batch row: its parameters
+        apply_penalties(
+            logits,
+            (pen[i], token, count),
+            st.repetition[src],
+            st.frequency[src],
+            st.presence[src],
         )
-        if whole:
-            return out
-        logits[at] = out
-        return logits
 
     def follow(self, req_ids: list[str]) -> None:
         """Append the tokens the output rank sampled (tensor parallelism, other ranks)."""
