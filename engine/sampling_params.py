@@ -6,6 +6,7 @@ import enum
 
 import msgspec
 
+from epdserve.engine.sample.bad_words import bad_words_token_ids
 from epdserve.engine.structured.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
@@ -41,6 +42,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None  # added to the logits before sampling
     structured_outputs: StructuredOutputsParams | None = None  # the output's grammar
+    bad_words: list[str] = []  # words the output may not contain (vLLM's)
+    # their token sequences, filled by the frontend's tokenizer (the sampler reads these)
+    bad_words_token_ids: list[list[int]] = []
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +93,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             "keys must be token ids and values in [-100, 100]",
         )
         _check(
+            all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "bad_words",
+            "must be non-empty strings",
+        )
+        _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "must be non-negative token ids",
@@ -105,6 +114,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             or abs(self.frequency_penalty) > _SAMPLING_EPS
             or abs(self.repetition_penalty - 1.0) > _SAMPLING_EPS
         )
+
+    def with_bad_words_token_ids(self, tokenizer) -> SamplingParams:
+        """These parameters with ``bad_words`` tokenized (the frontend, once per request)."""
+        if not self.bad_words or self.bad_words_token_ids:
+            return self
+        ids = bad_words_token_ids(self.bad_words, tokenizer)
+        return msgspec.structs.replace(self, bad_words_token_ids=ids)
 
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of the ``index``-th of ``n`` parallel samples (own seed, n=1)."""

@@ -196,6 +196,7 @@ def fan_out(
 ) -> tuple[RequestState, list[tuple[str, SamplingParams]]]:
     """One request's state and its ``n`` engine sequences: ``(child id, parameters)`` (the
     request id itself when ``n`` is 1; each child of a seeded request gets its own seed)."""
+    params = params.with_bad_words_token_ids(tok)  # the sampler masks token ids
     if params.n == 1:
         children = [(request_id, params)]
     else:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from epdserve.engine.sample.bad_words import BadWords
 from epdserve.engine.sampling_params import SamplingParams
 
 
@@ -87,11 +88,13 @@ class SamplingState:
         self.min_tokens = np.zeros(n, dtype=np.int64)
         self.stop_ids = RaggedRows(n)  # what min_tokens masks: EOS and stop_token_ids
         self.bias = RaggedRows(n)  # logit_bias
+        self.bad_words = BadWords(n)
         self.generators: list[torch.Generator | None] = [None] * n
         self.seeded = np.zeros(n, dtype=bool)
         self.owner: list = [None] * n  # what added the row (the batch's request state)
         # rows of the batch that use each feature: a step skips what no row uses
         self.num_penalised = self.num_logprobs = self.num_bias = self.num_min_tokens = 0
+        self.num_bad_words = 0
 
     def add(
         self,
@@ -123,6 +126,7 @@ class SamplingState:
             stops = ([] if p.ignore_eos or eos is None else [eos]) + list(p.stop_token_ids)
         self.min_tokens[row] = p.min_tokens if stops else 0
         self.stop_ids.set(row, stops)
+        self.bad_words.set(row, p.bad_words_token_ids)
         self.generators[row] = generator
         self.seeded[row] = generator is not None
         self._count(row, 1)
@@ -137,12 +141,14 @@ class SamplingState:
         self.min_tokens[row] = 0
         self.bias.set(row, [])
         self.stop_ids.set(row, [])
+        self.bad_words.set(row, [])
 
     def _count(self, row: int, sign: int) -> None:
         self.num_penalised += sign * bool(self.penalised[row])
         self.num_logprobs += sign * bool(self.logprobs[row] >= 0)
         self.num_bias += sign * bool(self.bias.count[row])
         self.num_min_tokens += sign * bool(self.min_tokens[row])
+        self.num_bad_words += sign * bool(self.bad_words.count[row])
 
     def gather(self, rows: np.ndarray) -> StepParams:
         greedy = self.greedy[rows]

@@ -107,6 +107,11 @@ class StepSampler:
             found = st.min_tokens_entries(rows, self.batch.num_tokens, vocab)
             if found is not None:  # EOS and stop tokens cannot come before min_tokens
                 mask_at(logits, *found)
+        if st.num_bad_words:
+            b = self.batch
+            found = st.bad_words.entries(rows, b.token_ids, b.num_tokens, st.num_prompt, vocab)
+            if found is not None:  # the last token of a word the output would complete
+                mask_at(logits, *found)
         if sched.grammar_req_ids:  # structured outputs: only the grammar's tokens remain
             index = {r: i for i, r in enumerate(req_ids)}
             grammar_rows = [index[r] for r in sched.grammar_req_ids]

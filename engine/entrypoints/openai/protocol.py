@@ -59,6 +59,7 @@ class _Common(_ValidText):
     # pod then neither renders, tokenizes nor loads images
     processed_prompt: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     # what the output must match (entrypoints/openai/structured_request.py): OpenAI's
     # response_format, vLLM's structured_outputs and its older guided_* names
     response_format: dict[str, Any] | None = None
@@ -88,6 +89,7 @@ class _Common(_ValidText):
             logit_bias={int(t): float(v) for t, v in self.logit_bias.items()}
             if self.logit_bias
             else None,
+            bad_words=list(self.bad_words or []),
         )
         for name, default in (
             ("temperature", 1.0),
