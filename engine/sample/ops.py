@@ -67,7 +67,7 @@ def add_at(logits: torch.Tensor, i: np.ndarray, ids: np.ndarray, values: np.ndar
 def mask_at(logits: torch.Tensor, i: np.ndarray, ids: np.ndarray) -> None:
     """``logits[i[n], ids[n]] = -inf`` in one indexed write."""
     where = torch.from_numpy(np.stack([i, ids])).to(logits.device)
-    logits.index_put_((where[0], where[1]), torch.tensor(float("-inf"), device=logits.device))
+    logits[where[0], where[1]] = float("-inf")
 
 
 def batch_logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int):
