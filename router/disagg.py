@@ -75,7 +75,16 @@ from epdserve.router.strategy import ImageAffinity
 log = logging.getLogger(__name__)
 
 ROLES = ("encoder", "prefill", "decode")
-PREFILL_DROP = ("stream_options", "logprobs", "top_logprobs", "echo", "prompt_logprobs")
+# what the prefill leg (one token, never shown) does without: output options, and min_tokens,
+# which a 1-token leg would refuse (it must be at most max_tokens) though decode honours it
+PREFILL_DROP = (
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "prompt_logprobs",
+    "min_tokens",
+)
 
 
 @dataclass

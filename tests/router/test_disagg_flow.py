@@ -156,3 +156,12 @@ def test_with_no_prefill_pod_decode_gets_the_known_prompt(pool):
         "messages": STRIPPED,
         "processed_prompt": ENCODED,
     }
+
+
+def test_the_prefill_leg_asks_one_token_without_min_tokens_and_decode_keeps_them():
+    from epdserve.router.disagg import decode_body, prefill_body
+
+    body = {**COMPLETION, "min_tokens": 4, "max_completion_tokens": 8, "stream": True}
+    leg = prefill_body(body)
+    assert leg["max_tokens"] == leg["max_completion_tokens"] == 1 and "min_tokens" not in leg
+    assert decode_body(body, None, None)["min_tokens"] == 4
