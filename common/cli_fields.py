@@ -96,8 +96,8 @@ def add_fields(parser: argparse.ArgumentParser, cls, environ: Mapping[str, str] 
             kw["metavar"] = opt.metavar
         if base is bool:
             kw["default"] = default if raw is None else raw.strip().lower() in TRUE
-            # a switch that is on by default needs its --no- form
-            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+            # a switch that is on (or decided later) by default needs its --no- form
+            kw["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
         elif base is list:
             kw["default"] = default if raw is None else raw.split()
             if opt.repeat:

@@ -64,6 +64,8 @@ class EngineConfig:
         "request with the largest priority value is preempted",
         choices=SCHEDULING_POLICIES,
     )
+    async_scheduling: bool | None = setting(None, "schedule the next step while the device runs "
+        "this one (default: on for cuda; off on cpu, where it did not pay: docs/architecture.md)")  # fmt: skip
     stream_interval: int = setting(
         1,
         "a stream's tokens go out in chunks of this many (its first token and its end at "

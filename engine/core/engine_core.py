@@ -7,8 +7,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from epdserve.connectors.kv_connector import KVConnectorRole
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
@@ -22,7 +20,9 @@ from epdserve.engine.core.interfaces import (  # EngineCoreRequest: imported fro
 )
 from epdserve.engine.core.kv_cache_groups import make_kv_cache_spec
 from epdserve.engine.core.kv_cache_manager import KVCacheManager
+from epdserve.engine.core.kv_sizing import num_kv_blocks
 from epdserve.engine.core.mm_scheduling import EncoderScheduler, checked_mm_features
+from epdserve.engine.core.overlap import IDLE_POLL_S, OverlappedSteps
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.scheduler import Scheduler
 from epdserve.engine.core.step_guard import StepGuard, maybe_fail
@@ -36,14 +36,11 @@ from epdserve.engine.executor.rank_messages import WorkerFailure
 from epdserve.engine.kv_transfer.coordinator import KVTransferCoordinator
 from epdserve.engine.kv_transfer.setup import resolve_identity, store_rejections
 from epdserve.engine.lora import core_side as lora_core
-from epdserve.engine.models.config import ModelConfig, load_model_config
-from epdserve.engine.models.layers import Shard, shard_config
+from epdserve.engine.models.config import load_model_config
 from epdserve.engine.models.siglip import VisionConfig
 from epdserve.engine.structured.manager import StructuredOutputManager
 
 log = logging.getLogger("epdserve.core")
-
-IDLE_POLL_S = 0.001
 
 
 class EngineCore:
@@ -61,7 +58,9 @@ class EngineCore:
         resolved = replace(config, max_model_len=self.max_model_len)
         self.executor = create_executor(resolved, executor_backend)
         try:
-            self.num_blocks = self._num_blocks(model_cfg)
+            self.num_blocks = num_kv_blocks(
+                config, self.kv_spec, self.executor, model_cfg, self.max_model_len
+            )
             self.executor.initialize_kv_cache(KVCacheConfig(self.num_blocks, self.kv_spec))
         except BaseException:  # a refused size: the workers' stores must not leak
             self.executor.shutdown()
@@ -110,38 +109,10 @@ class EngineCore:
         self.model_cpu_seconds = 0.0  # process CPU time spent in execute_model
         self.worker_stats = WorkerStats()  # the workers' counters, as of the last step
         self.guard = StepGuard()
-
-    def _num_blocks(self, model_cfg: ModelConfig) -> int:
-        cfg = self.config
-        itemsize = getattr(torch, cfg.kv_storage_dtype).itemsize  # --kv-cache-dtype fp8: 1
-        kv_size = shard_config(model_cfg, Shard(0, cfg.tensor_parallel_size)).kv_size  # a rank's
-        per_block = self.kv_spec.slots * 2 * cfg.block_size * kv_size * itemsize
-        need = 1 + self.kv_spec.blocks_per_request(
-            cfg.block_size, self.max_model_len, cfg.max_num_batched_tokens
-        )
-        if cfg.kv_cache_memory is not None:
-            num = cfg.kv_cache_memory // per_block
-        elif cfg.device.startswith("cuda"):  # what the weights and a profiled largest step leave
-            budget = self.executor.determine_available_memory(self.kv_spec)
-            num = max(budget, 0) // per_block
-            if num < need:
-                raise ValueError(
-                    f"gpu_memory_utilization: {cfg.gpu_memory_utilization} leaves "
-                    f"{max(budget, 0)} bytes for the KV cache, fewer than one "
-                    f"max_model_len={self.max_model_len} sequence needs ({need} blocks of "
-                    f"{per_block} bytes); raise it, or lower max_model_len or "
-                    "max_num_batched_tokens"
-                )
-        else:  # a host: enough for max_num_seqs sequences, up to the worker's cap
-            cap = self.executor.determine_available_memory(self.kv_spec)
-            num = min(cfg.max_num_seqs * (need - 1) + 1, cap // per_block)
-        if num < need:
-            raise ValueError(
-                f"kv_cache_memory: {num} blocks of {per_block} bytes cannot hold one "
-                f"max_model_len={self.max_model_len} sequence (needs {need}); "
-                "raise kv_cache_memory or lower max_model_len"
-            )
-        return int(num)
+        overlap = config.async_scheduling  # None: on where it pays (a CUDA device), see docs
+        overlap = config.device.startswith("cuda") if overlap is None else overlap
+        on = overlap and self.kv_connector is None  # P/D: loads and saves in turn
+        self.overlap = OverlappedSteps(self) if on else None
 
     def add_request(self, req: EngineCoreRequest) -> None:
         n = len(req.prompt_token_ids)
@@ -198,9 +169,14 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        busy = self.overlap is not None and self.overlap.inflight is not None
+        return busy or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        return self.sync_step() if self.overlap is None else self.overlap.step()
+
+    def sync_step(self) -> list[EngineCoreOutput]:
+        """schedule → execute → update, in turn (``async_scheduling`` off)."""
         if not self.scheduler.has_unfinished_requests():
             return []
         self.guard.choose_solo(self.scheduler)
@@ -219,13 +195,17 @@ class EngineCore:
         except WorkerFailure:  # a rank is gone or out of step: the core cannot go on
             raise
         except Exception as exc:  # one request's fault must not end every request
-            self._take_worker_stats(getattr(exc, "worker_stats", None))
+            self.take_worker_stats(getattr(exc, "worker_stats", None))
             return self.guard.contain(self.scheduler, sched, exc)
-        self.step_count += 1
-        self._take_worker_stats(result.worker_stats)
         if not sched.total_num_scheduled_tokens:
             time.sleep(IDLE_POLL_S)  # only connector work in flight: poll, don't spin
-        outputs = self.scheduler.update_from_output(sched, result)
+        return self.apply_output(sched, result)
+
+    def apply_output(self, sched, result, owners: list | None = None) -> list[EngineCoreOutput]:
+        """A step's output applied: its requests' tokens, stops and outputs."""
+        self.step_count += 1
+        self.take_worker_stats(result.worker_stats)
+        outputs = self.scheduler.update_from_output(sched, result, owners)
         if self.scheduler.admission_failures:
             outputs += self.scheduler.take_admission_failures()
         for req_id, exc in self.scheduler.update_failures:
@@ -234,11 +214,16 @@ class EngineCore:
         self.guard.passed(result)
         return outputs
 
-    def _take_worker_stats(self, stats: WorkerStats | None) -> None:
+    def take_worker_stats(self, stats: WorkerStats | None) -> None:
         if stats is not None:  # None: unchanged
             self.worker_stats = stats
 
     def close(self) -> None:
+        if self.overlap is not None and self.overlap.inflight is not None:
+            try:  # the step in flight ends before its worker does
+                self.overlap.inflight.handle.result()
+            except Exception:
+                log.debug("the step in flight at close failed", exc_info=True)
         for half in (self.kv_connector, self.ec_connector, self.lora):
             if half is not None:
                 half.close()

@@ -52,6 +52,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # overlapped scheduling: tokens sampled by steps in flight, not yet known here
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.num_external_computed_tokens = 0  # of those, loaded by a KV connector
         self.num_preemptions = 0

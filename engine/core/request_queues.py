@@ -165,6 +165,7 @@ class RequestQueues:
             self.kv_transfer.preempt(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0  # a step in flight gives its token anyway
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.finished_req_ids.add(victim.request_id)  # the runner forgets it

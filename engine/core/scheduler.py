@@ -28,7 +28,7 @@ from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.request_queues import RequestQueues
-from epdserve.engine.core.sched_utils import check_stop, make_output
+from epdserve.engine.core.sched_utils import room_after, update_request
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
 from epdserve.engine.core.waiting_queue import victim_index
 from epdserve.engine.kv_transfer.coordinator import LoadStart
@@ -58,6 +58,9 @@ class Scheduler(RequestQueues):
         self.max_model_len = max_model_len
         self.prompt_sources = [0, 0, 0]  # prompt tokens: computed, local cache hit, loaded
         self.update_failures: list[tuple[str, Exception]] = []  # of the last update
+        # overlapped scheduling (engine/core/overlap.py): a step samples into placeholders;
+        # while one is in flight no request is preempted (``preemption_deferred`` says so)
+        self.overlapped, self.step_in_flight, self.preemption_deferred = False, False, False
 
     # --- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -65,6 +68,7 @@ class Scheduler(RequestQueues):
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         self.scheduling, self._step_scheduled, self._step_advanced = None, num_scheduled, False
+        self.preemption_deferred = False
         self._step_output = None
         faults = injected_fault("schedule") is not None  # tests only: one env read per step
         if self.encoder is not None:
@@ -87,8 +91,12 @@ class Scheduler(RequestQueues):
             self.scheduling = request
             if faults:
                 maybe_fail("schedule", (request.request_id,), self.label_of)
+            pending = request.num_output_placeholders  # 0 unless steps overlap
+            if pending and not room_after(request, self.max_model_len):
+                i += 1  # the tokens in flight end it by length: no step past them
+                continue
             n = min(
-                request.num_tokens - request.num_computed_tokens,
+                request.num_tokens + pending - request.num_computed_tokens,
                 budget,
                 self.max_model_len - request.num_computed_tokens,
             )
@@ -98,6 +106,9 @@ class Scheduler(RequestQueues):
                 i += 1
                 continue
             blocks = self.kv.allocate_slots(request, n)
+            if blocks is None and self.step_in_flight:  # preempt once its step is done
+                self.preemption_deferred = preempted = True
+                break
             while blocks is None:
                 v = victim_index(self.running, self.policy)
                 victim = self.running[v]
@@ -229,7 +240,12 @@ class Scheduler(RequestQueues):
         self.finished_req_ids.clear()
         self._step_output = out  # undo_schedule() tells its finished ids again
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if self.overlapped and request.num_computed_tokens >= (
+                request.num_tokens + request.num_output_placeholders
+            ):  # it samples this step: its token is a placeholder until the output comes
+                request.num_output_placeholders += 1
         self._step_advanced = True
         if self.encoder is not None:
             for req_id in num_scheduled:
@@ -251,8 +267,11 @@ class Scheduler(RequestQueues):
 
     # --- after the forward -------------------------------------------------------------
     def update_from_output(
-        self, sched: SchedulerOutput, result: ModelRunnerOutput
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, owners: list | None = None
     ) -> list[EngineCoreOutput]:
+        """Apply a step's output. ``owners`` (overlapped steps): the requests it ran, in batch
+        order; a row whose id now names another request (finished, and the id reused) is
+        dropped."""
         outputs = []
         if self.kv_transfer is not None:
             ready, released = self.kv_transfer.update(result.kv_connector_output)
@@ -260,37 +279,19 @@ class Scheduler(RequestQueues):
             outputs.extend(released)
         self.update_failures = []
         faults = injected_fault("update") is not None  # tests only: one env read per step
-        for req_id, token_ids in zip(result.req_ids, result.sampled_token_ids, strict=True):
+        for k, (req_id, token_ids) in enumerate(
+            zip(result.req_ids, result.sampled_token_ids, strict=True)
+        ):
             request = self.requests.get(req_id)
-            if request is None:
-                continue  # aborted while its step ran
+            if request is None or (owners is not None and owners[k] is not request):
+                continue  # aborted (or finished, with steps overlapped) while its step ran
             try:  # one request's failure here is its own (the step guard fails it)
                 if faults:
                     maybe_fail("update", (req_id,))
-                output = self._update_request(request, token_ids, result)
+                output = update_request(self, request, token_ids, result)
             except Exception as exc:
                 self.update_failures.append((req_id, exc))
                 continue
             if output is not None:
                 outputs.append(output)
         return outputs
-
-    def _update_request(self, request: Request, token_ids, result) -> EngineCoreOutput | None:
-        req_id = request.request_id
-        prompt_lp = result.prompt_logprobs.get(req_id)
-        if not token_ids and prompt_lp is None:
-            return None  # a partial prefill chunk
-        if token_ids:
-            request.append_output_token_ids(token_ids)
-            if request.grammar is not None:
-                request.grammar.accept(token_ids)
-            check_stop(request, self.max_model_len)
-        output = make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
-        held = False
-        if request.is_finished:
-            self.running.remove(request)
-            output.kv_transfer_params, held = self._free(request)
-        if held and output.kv_transfer_params is not None:
-            self.kv_transfer.hold_output(output)  # sent once the next pod can load it
-            return None
-        return output

@@ -11,6 +11,7 @@ named methods below are built on it, and a backend may override one where it can
 from __future__ import annotations
 
 import importlib
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -64,6 +65,19 @@ class Executor(ABC):
         states and KV caches as ``sched`` says."""
         return self.collective_rpc("execute_model", (sched,))[self.output_rank]
 
+    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
+        """Start one step; its ``result()`` later (overlapped scheduling). The core waits
+        for a step's result before it starts the next or calls anything else. This default
+        runs the step now; a backend whose ranks run elsewhere returns at once."""
+        cpu = time.process_time()
+        try:
+            output, error = self.execute_model(sched), None
+        except Exception as exc:
+            output, error = None, exc
+        handle = StepHandle(output, error)
+        handle.cpu_seconds = time.process_time() - cpu
+        return handle
+
     def add_lora(self, load: LoRASlotLoad) -> None:
         """Write an adapter onto device slot ``load.slot`` of every rank."""
         self.collective_rpc("add_lora", (load,))
@@ -79,6 +93,21 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every rank and release what it holds (stores, processes). Idempotent."""
+
+
+class StepHandle:
+    """A step started by ``execute_model_async``: ``result()`` waits for its output, or
+    raises what the step raised."""
+
+    cpu_seconds = 0.0  # this process's CPU time while the model ran (known once done)
+
+    def __init__(self, output: ModelRunnerOutput | None = None, error: Exception | None = None):
+        self._output, self._error = output, error
+
+    def result(self) -> ModelRunnerOutput:
+        if self._error is not None:
+            raise self._error
+        return self._output
 
 
 def check_rank_method(method: str) -> None:

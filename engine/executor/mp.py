@@ -135,6 +135,10 @@ class MultiprocExecutor(Executor):
         return lambda: procs[rank].poll() is None
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None):
+        return self._receive(method, self._send(method, args, timeout))
+
+    def _send(self, method: str, args: tuple, timeout: float | None = None) -> float:
+        """Write one call for every rank; the deadline of its replies."""
         check_rank_method(method)
         if self._closed:
             raise WorkerFailure(f"{method}: the workers are shut down")
@@ -144,6 +148,10 @@ class MultiprocExecutor(Executor):
             self.calls.write(_encode.encode(call), timeout=timeout or step_timeout_s())
         except (TimeoutError, ConnectionError) as exc:
             raise WorkerFailure(f"{method}: the ranks stopped reading calls ({exc})") from None
+        return deadline
+
+    def _receive(self, method: str, deadline: float) -> list:
+        """Every rank's result of the call ``_send`` wrote; raises what a rank raised."""
         try:
             replies = self._gather(method, deadline)
         except WorkerFailure:
@@ -209,6 +217,13 @@ class MultiprocExecutor(Executor):
     def execute_model(self, sched):
         return self.collective_rpc("execute_model", (sched,))[self.output_rank]
 
+    def execute_model_async(self, sched):
+        """The call goes out now; the replies are read by ``result()`` (the ranks run the
+        step meanwhile)."""
+        deadline = self._send("execute_model", (sched,))
+        receive = self._receive
+        return _LateStep(lambda: receive("execute_model", deadline)[self.output_rank])
+
     def shutdown(self) -> None:
         self._closed = True
         self._finalizer()
@@ -245,3 +260,15 @@ class _Ranks:
         for ring in [*self.replies, self.calls]:
             ring.close()
         self.calls = None
+
+
+class _LateStep:
+    """A step whose call went out; ``result()`` reads its replies once."""
+
+    cpu_seconds = 0.0  # the model runs in the ranks' processes, not this one
+
+    def __init__(self, read):
+        self._read = read
+
+    def result(self):
+        return self._read()

@@ -2,11 +2,15 @@
 
 Arguments pass by reference (no encoding), and the step path calls the worker directly, so
 a step costs what calling the model runner did before the executor existed
-(``bench/executor_overhead.py`` measures it).
+(``bench/executor_overhead.py`` measures it). Overlapped scheduling runs the steps on one
+background thread, in order (``execute_model_async``); the core thread meanwhile touches no
+worker state.
 """
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from epdserve.engine.config import EngineConfig
@@ -23,6 +27,7 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config, rank=0)
         self.worker.load_model()
         self._closed = False
+        self._thread: ThreadPoolExecutor | None = None  # overlapped steps: made on first use
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         check_rank_method(method)
@@ -31,7 +36,30 @@ class UniProcExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)  # the per-step path: no dispatch by name
 
+    def execute_model_async(self, sched: SchedulerOutput) -> ThreadStep:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="epdserve-step")
+        return ThreadStep(self._thread.submit(self._timed_step, sched))
+
+    def _timed_step(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
+        cpu = time.process_time()  # the process's CPU (every thread) while the model runs
+        output = self.worker.execute_model(sched)
+        return output, time.process_time() - cpu
+
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)  # a step in flight ends first
             self.worker.shutdown()
+
+
+class ThreadStep:
+    """A step running on the executor's thread; ``cpu_seconds`` is known once it is done."""
+
+    def __init__(self, future: Future):
+        self._future, self.cpu_seconds = future, 0.0
+
+    def result(self) -> ModelRunnerOutput:
+        output, self.cpu_seconds = self._future.result()
+        return output

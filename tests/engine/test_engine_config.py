@@ -27,6 +27,7 @@ SERVE_DEFAULTS = {
     "max_model_len": None, "kv_cache_memory": None, "kv_cache_dtype": "auto", "block_size": None,
     "max_num_seqs": 256,
     "max_num_batched_tokens": None, "scheduling_policy": "fcfs", "stream_interval": 1,
+    "async_scheduling": None,
     "enable_prefix_caching": True,
     "disable_hybrid_kv_cache_manager": False, "prefix_caching_hash_algo": "sha256_cbor",
     "hash_seed": None, "seed": 0, "kv_events_config": None, "kv_events_curve_dir": None,
@@ -60,7 +61,7 @@ def test_the_serve_flags_keep_their_names_and_defaults(monkeypatch):
     serve_cli.add_arguments(parser)
     flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
     named = {"--" + n.replace("_", "-") for n in SERVE_DEFAULTS if n != "model"}
-    assert flags == named | {"--no-enable-prefix-caching", "-tp"}  # vLLM's short spelling
+    assert flags == named | {"--no-enable-prefix-caching", "--no-async-scheduling", "-tp"}  # -tp: vLLM's
 
 
 def test_each_setting_reads_its_variable_typed(monkeypatch):

@@ -105,7 +105,7 @@ def test_a_lone_request_that_fails_is_failed_at_once(reference, monkeypatch):
 def test_an_update_that_fails_after_its_request_finished_still_frees_it(reference, monkeypatch):
     """``make_output`` runs after the stop check: the request is finished, still running and
     holding blocks when it raises; failing it must free them."""
-    from epdserve.engine.core import scheduler as scheduler_module
+    from epdserve.engine.core import sched_utils as scheduler_module  # the update's helpers
 
     path, prompts, expected = reference
     real = scheduler_module.make_output
