@@ -234,3 +234,26 @@ def test_the_default_is_off_on_cpu_and_the_flag_reaches_the_cli():
     assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
     assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False
     assert parser.parse_args([]).async_scheduling is None
+
+
+@pytest.mark.parametrize("stage", ["schedule", "execute", "ranks", "update"])
+def test_a_fault_is_contained_as_with_overlap_off(llama, monkeypatch, stage):
+    """A fault for one request (in the scheduler, before the step starts, in the worker's
+    step while the next is scheduled, in the update): the same tokens and errors as with
+    overlap off, and nothing leaks."""
+    monkeypatch.setenv("EPDSERVE_INJECT_FAULT", f"{stage}:r3")
+    got = {}
+    for flag in (False, True):
+        llm = LLM(model=llama, dtype="float32", block_size=16, async_scheduling=flag)
+        core, tokens, errors = llm.engine, {}, {}
+        for i, p in enumerate(prompts(6, seed=9)):
+            core.add_request(core_request(f"r{i}", p["prompt_token_ids"], 10))
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.error is not None:
+                    errors[out.request_id] = out.error
+        assert "r3" in errors and (core.guard.num_failed_steps > 0 or stage == "update")
+        assert_no_leak(llm)
+        got[flag] = tokens, sorted(errors)
+    assert got[True] == got[False]
