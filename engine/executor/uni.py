@@ -13,6 +13,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from epdserve.engine.config import EngineConfig
 from epdserve.engine.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from epdserve.engine.executor.base import Executor, check_rank_method
@@ -38,8 +40,16 @@ class UniProcExecutor(Executor):
 
     def execute_model_async(self, sched: SchedulerOutput) -> ThreadStep:
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="epdserve-step")
+            self._thread = ThreadPoolExecutor(
+                1, thread_name_prefix="epdserve-step", initializer=self._on_device
+            )
         return ThreadStep(self._thread.submit(self._timed_step, sched))
+
+    def _on_device(self) -> None:
+        """The step thread's current CUDA device is the worker's (a thread starts on 0)."""
+        device = torch.device(self.worker.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
 
     def _timed_step(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
         cpu = time.process_time()  # the process's CPU (every thread) while the model runs

@@ -257,3 +257,26 @@ def test_a_fault_is_contained_as_with_overlap_off(llama, monkeypatch, stage):
         assert_no_leak(llm)
         got[flag] = tokens, sorted(errors)
     assert got[True] == got[False]
+
+
+def test_a_kv_connector_keeps_steps_in_turn_and_loads_stay_exact(llama, tmp_path):
+    """P/D over a shared volume with the flag on: overlap is off where a KV connector is (its
+    loads and saves are applied in turn), and the decode pod's loaded prefix gives the
+    tokens a plain engine gives."""
+    prompt = {"prompt_token_ids": prompts(1, seed=10)[0]["prompt_token_ids"] * 3}
+    params = SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY)
+    common = dict(model=llama, dtype="float32", block_size=16, async_scheduling=True)
+    pods = {}
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        transfer = {"kv_connector": "SharedStorageConnector", "kv_role": kv_role,
+                    "kv_connector_extra_config": {"path": str(tmp_path)}}  # fmt: skip
+        pods[role] = LLM(**common, role=role, kv_transfer_config=json.dumps(transfer))
+        assert pods[role].engine.overlap is None
+    pods["prefill"].generate(prompt, SamplingParams(max_tokens=1, **GREEDY))
+    got = pods["decode"].generate(prompt, params)[0].outputs[0].token_ids
+    assert pods["decode"].engine.scheduler.kv_transfer.hits > 0
+    plain = LLM(**common)
+    assert plain.engine.overlap is not None
+    assert got == plain.generate(prompt, params)[0].outputs[0].token_ids
+    for llm in (*pods.values(), plain):
+        llm.engine.close()
