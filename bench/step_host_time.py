@@ -82,7 +82,9 @@ def phase_breakdown(model: Path, batch: int, steps: int) -> dict:
     from epdserve.engine.core.engine_core import EngineCore, EngineCoreRequest
     from epdserve.engine.sampling_params import SamplingParams
 
-    config = EngineConfig(model=str(model), max_model_len=512, kv_cache_memory=KV_BYTES, **MATCHED)
+    config = EngineConfig(
+        model=str(model), max_model_len=512, kv_cache_memory=KV_BYTES, dtype="bfloat16", **MATCHED
+    )
     core = EngineCore(config)
     try:
         runner = core.executor.worker.runner
