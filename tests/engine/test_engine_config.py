@@ -61,7 +61,11 @@ def test_the_serve_flags_keep_their_names_and_defaults(monkeypatch):
     serve_cli.add_arguments(parser)
     flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
     named = {"--" + n.replace("_", "-") for n in SERVE_DEFAULTS if n != "model"}
-    assert flags == named | {"--no-enable-prefix-caching", "--no-async-scheduling", "-tp"}  # -tp: vLLM's
+    assert flags == named | {
+        "--no-enable-prefix-caching",
+        "--no-async-scheduling",
+        "-tp",
+    }  # -tp: vLLM's
 
 
 def test_each_setting_reads_its_variable_typed(monkeypatch):
