@@ -95,11 +95,7 @@ def phase_breakdown(model: Path, batch: int, steps: int) -> dict:
         phases.wrap(runner.device_inputs, "move", "device move")
         phases.wrap(runner.model, "forward", "model forward")
         phases.wrap(runner.model, "compute_logits", "logits")
-        phases.wrap(
-            getattr(runner, "sampler", runner),
-            "sample" if hasattr(runner, "sampler") else "_sample",
-            "sample",
-        )
+        phases.wrap(runner.sampler, "sample", "sample")
         phases.wrap(core.scheduler, "update_from_output", "scheduler update")
         params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
         for i in range(batch):

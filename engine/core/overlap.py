@@ -87,13 +87,10 @@ class OverlappedSteps:
         except Exception as exc:  # the step never starts: rolled back like a failed one
             return outputs + self._not_started(prev, sched, exc)
         if prev is not None:
-            try:
-                result = prev.handle.result()
-            except WorkerFailure:
-                raise
-            except Exception as exc:  # N failed: N+1 never starts, both are rolled back
+            result, failed = _wait(prev)
+            if failed is not None:  # N failed: N+1 never starts, both are rolled back
                 self.inflight = None
-                return outputs + self._contain(merged(prev.sched, sched), exc)
+                return outputs + self._contain(merged(prev.sched, sched), failed)
         self.inflight = None
         if not sched.total_num_scheduled_tokens:  # nothing to overlap: it runs in turn
             if prev is not None:
@@ -129,12 +126,9 @@ class OverlappedSteps:
     # --- helpers ---------------------------------------------------------------------
     def _finish(self, prev: InFlight) -> list[EngineCoreOutput]:
         self.inflight = None
-        try:
-            result = prev.handle.result()
-        except WorkerFailure:
-            raise
-        except Exception as exc:
-            return self._contain(prev.sched, exc)
+        result, failed = _wait(prev)
+        if failed is not None:
+            return self._contain(prev.sched, failed)
         return self._apply(prev, result)
 
     def _apply(self, prev: InFlight, result) -> list[EngineCoreOutput]:
@@ -165,12 +159,9 @@ class OverlappedSteps:
         if prev is None:
             return self._contain(sched, exc)
         self.inflight = None
-        try:
-            result = prev.handle.result()
-        except WorkerFailure:
-            raise
-        except Exception as step_exc:
-            return self._contain(merged(prev.sched, sched), step_exc)
+        result, failed = _wait(prev)
+        if failed is not None:
+            return self._contain(merged(prev.sched, sched), failed)
         return self._contain(sched, exc) + self._apply(prev, result)
 
     def _schedule_failed(self, prev: InFlight | None, exc: Exception):
@@ -181,16 +172,21 @@ class OverlappedSteps:
         if prev is None:
             return core.guard.contain_schedule(core.scheduler, exc)
         self.inflight = None
-        try:
-            result, failed = prev.handle.result(), None
-        except WorkerFailure:
-            raise
-        except Exception as step_exc:
-            result, failed = None, step_exc
+        result, failed = _wait(prev)
         outputs = core.guard.contain_schedule(core.scheduler, exc)
         if failed is not None:  # both failed: nothing left running to blame, the core ends
             return outputs + self._contain(prev.sched, failed)
         return outputs + self._apply(prev, result)
+
+
+def _wait(step: InFlight) -> tuple[Any, Exception | None]:
+    """The step's output, or what it raised (a ``WorkerFailure`` ends the core: raised)."""
+    try:
+        return step.handle.result(), None
+    except WorkerFailure:
+        raise
+    except Exception as exc:
+        return None, exc
 
 
 def merged(first: SchedulerOutput, second: SchedulerOutput) -> SchedulerOutput:

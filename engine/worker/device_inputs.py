@@ -58,7 +58,7 @@ def _segments(tokens: int, reqs: int, groups: int, max_blocks: int, samples: int
 
 
 def _nbytes(dtype: torch.dtype, shape) -> int:
-    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    n = int(np.prod(shape)) * dtype.itemsize
     return -(-n // ALIGN) * ALIGN
 
 
@@ -113,15 +113,15 @@ class DeviceInputs:
             inputs.logits_indices.shape[0],
             inputs.lora_slots is not None,
         )
-        end = sum(_nbytes(dt, shape) for _, dt, shape in segs)
+        sizes = [_nbytes(dt, shape) for _, dt, shape in segs]
+        end = sum(sizes)
         if self.host is None or end > self.host.numel():
             size = max(end, self.capacity)
             self.host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
             self.dev = torch.empty(size, dtype=torch.uint8, device=self.device)
             self.num_allocations += 1
         views, off = {}, 0
-        for name, dt, shape in segs:
-            n = _nbytes(dt, shape)
+        for (name, dt, shape), n in zip(segs, sizes, strict=True):
             count = int(np.prod(shape))
             host = self.host[off : off + n].view(dt)[:count].view(shape)
             self._fill(host, name, inputs, table_rows)
