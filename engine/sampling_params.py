@@ -10,6 +10,10 @@ from epdserve.engine.sample.bad_words import bad_words_token_ids
 from epdserve.engine.structured.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
+# bad_words bounds: the sampler keeps each row's words as padded arrays, so one request's
+# words must not size them without limit
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -96,6 +100,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             all(isinstance(w, str) and w.strip() for w in self.bad_words),
             "bad_words",
             "must be non-empty strings",
+        )
+        _check(
+            len(self.bad_words) <= MAX_BAD_WORDS
+            and all(len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words),
+            "bad_words",
+            f"at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters each",
         )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 PAD = -2  # a prefix slot a shorter word leaves empty: matches any token
+MAX_WORD_TOKENS = 64  # a word's token sequence (the padded arrays are this wide at most)
 
 
 def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
@@ -25,6 +26,8 @@ def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
     vocab = tokenizer.vocab_size
     if any(t < 0 or t >= vocab for ids in out for t in ids):
         raise ValueError("bad_words: a word tokenizes to ids outside the vocabulary")
+    if any(len(ids) > MAX_WORD_TOKENS for ids in out):
+        raise ValueError(f"bad_words: a word may be at most {MAX_WORD_TOKENS} tokens")
     return out
 
 
@@ -35,11 +38,21 @@ class BadWords:
 
     def __init__(self, num_rows: int):
         self.count = np.zeros(num_rows, dtype=np.int64)
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Arrays for no words (when no row holds any: one request's words do not keep them
+        wide for every later step)."""
+        num_rows = len(self.count)
         self.prefix = np.full((num_rows, 1, 0), PAD, dtype=np.int64)
         self.last = np.zeros((num_rows, 1), dtype=np.int64)
 
     def set(self, row: int, words: list[list[int]]) -> None:
         words = [w for w in words if w]
+        if not words and self.count[row] and self.count.sum() == self.count[row]:
+            self.count[row] = 0
+            self._shrink()
+            return
         n, k = len(words), max((len(w) - 1 for w in words), default=0)
         more_words, longer = n - self.last.shape[1], k - self.prefix.shape[2]
         if more_words > 0 or longer > 0:

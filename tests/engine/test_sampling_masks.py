@@ -87,6 +87,30 @@ def test_words_outside_the_vocabulary_and_empty_words_are_refused():
         SamplingParams(bad_words=[" "])
 
 
+def test_too_many_or_too_long_words_are_refused_naming_the_field():
+    from epdserve.engine.sample.bad_words import MAX_WORD_TOKENS
+    from epdserve.engine.sampling_params import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
+
+    for words in (["w"] * (MAX_BAD_WORDS + 1), ["w" * (MAX_BAD_WORD_CHARS + 1)]):
+        with pytest.raises(ValueError, match="^bad_words: at most"):
+            SamplingParams(bad_words=words)
+    tok = FakeTokenizer()
+    tok.table = {"long": [1] * (MAX_WORD_TOKENS + 1), " long": [1]}
+    with pytest.raises(ValueError, match="^bad_words: a word may be at most"):
+        bad_words_token_ids(["long"], tok)
+
+
+def test_the_arrays_shrink_once_no_row_holds_words():
+    state = BadWords(3)
+    state.set(0, [[1] * 40, [2]])
+    state.set(1, [[3, 4]])
+    state.set(0, [])
+    assert state.prefix.shape[2] == 39  # row 1 still holds words
+    state.set(1, [])
+    assert state.prefix.shape == (3, 1, 0) and state.last.shape == (3, 1)
+    assert not state.count.any()
+
+
 @pytest.fixture(scope="module")
 def llm(models):
     return LLM(model=str(models.get("llama")), max_model_len=256)

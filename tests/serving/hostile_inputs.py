@@ -77,6 +77,11 @@ TABLE = [
         "a logit_bias key that is no token", completion(logit_bias={"ab": 1}), param="logit_bias"
     ),
     Hostile("a logit_bias of 1e9", completion(logit_bias={"5": 1e9}), param="logit_bias"),
+    Hostile("a 100 KB bad word", completion(bad_words=["a" * 100_000]), param="bad_words"),
+    Hostile("a thousand bad words", completion(bad_words=["ab"] * 1000), param="bad_words"),
+    Hostile(  # within the characters, past the tokens a word may have
+        "a bad word of 250 tokens", completion(bad_words=["qzxj" * 62]), param="bad_words"
+    ),
     Hostile(
         "a json_schema response_format",
         completion(response_format={"type": "json_schema"}),

@@ -220,7 +220,8 @@ class OpenAIServing:
                 "max_tokens",
             )
         try:
-            params = req.sampling_params(max_tokens, logprobs)
+            # bad_words tokenized here, where a word's refusal is the client's 400
+            params = req.sampling_params(max_tokens, logprobs).with_bad_words_token_ids(self.tok)
             transfer = validate_kv_transfer_params(req.kv_transfer_params)
         except ValueError as exc:
             raise from_value_error(exc) from exc
