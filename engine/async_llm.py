@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -155,6 +156,7 @@ class AsyncLLM:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.ctx.destroy(linger=0)
+        shutil.rmtree(self._tmp, ignore_errors=True)  # the sockets' folder
 
     @property
     def healthy(self) -> bool:

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -89,6 +90,9 @@ def test_an_exit_signal_lets_inflight_streams_finish_refuses_new_work_and_exits_
     for event in started:
         assert event.wait(60), "a stream never started"
 
+    core_args = Path(f"/proc/{pod.core_pid()}/cmdline").read_bytes().split(b"\0")
+    sockets = os.path.dirname(core_args[core_args.index(b"--input") + 1][len(b"ipc://") :])
+    assert os.path.isdir(sockets)
     send(pod.proc.pid)
     signalled.set()
     assert _refused(pod.url)
@@ -96,6 +100,7 @@ def test_an_exit_signal_lets_inflight_streams_finish_refuses_new_work_and_exits_
     for thread in threads:
         thread.join(180)
     assert pod.proc.wait(60) == 0
+    assert not os.path.exists(sockets)  # the core's socket folder goes with it
     for out in results:
         assert out["status"] == 200
         assert out["after_signal"] > 0, "the stream had ended before SIGTERM: nothing drained"
