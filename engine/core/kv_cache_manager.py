@@ -41,6 +41,10 @@ class KVCacheManager:
             self.managers = make_managers(spec, self.pool, block_size)
         self.num_groups = len(self.managers)
         self.sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
+        self.no_sliding = not self.sliding
+        # what ``allocate_slots`` returns when the request's blocks already hold its tokens
+        # (most decode steps): one shared, immutable value
+        self.no_new_blocks: GroupBlocks = tuple(() for _ in self.managers)
         self.req_blocks: dict[str, GroupBlocks] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.salted_keys: dict[str, list[int]] = {}  # request -> router keys of its blocks
@@ -81,19 +85,20 @@ class KVCacheManager:
         delay_cache: bool = False,
     ) -> GroupBlocks | None:
         """Make room for ``num_new_tokens`` more tokens; the new blocks per group, or None
-        (nothing allocated) if they don't fit.
+        (nothing allocated) if they don't fit; ``no_new_blocks`` when none were needed.
 
         ``delay_cache``: the new blocks are still being filled (a KV connector's load), so
         they are not named in the prefix cache until ``cache_blocks`` says they are valid."""
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        if blocks is not None and not self.sliding and new_computed_blocks is None:
-            if cdiv(total, self.block_size) <= len(blocks[0]):  # decode inside its last block
-                full = min(total, request.num_tokens) // self.block_size
-                if not delay_cache and full > self.num_cached_blocks.get(rid, 0):
-                    self._cache_blocks(request, blocks, total)
-                return tuple([] for _ in self.managers)
+        if blocks is not None and self.no_sliding and new_computed_blocks is None:
+            if total <= len(blocks[0]) * self.block_size:  # decode inside its last block
+                if self.enable_caching and not delay_cache:
+                    full = min(total, len(request.all_token_ids)) // self.block_size
+                    if full > self.num_cached_blocks.get(rid, 0):
+                        self._cache_blocks(request, blocks, total)
+                return self.no_new_blocks
         if blocks is None:
             blocks = tuple([[] for _ in self.managers])
         else:  # blocks out of every future query's window go back first (sliding groups)

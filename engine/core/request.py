@@ -26,7 +26,10 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {4: "stop", 5: "length", 6: "abort"}.get(int(self))
+        return _FINISH_REASONS[self]
+
+
+_FINISH_REASONS = (None, None, None, None, "stop", "length", "abort")
 
 
 class Request:
@@ -62,6 +65,10 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.priority = priority  # lower is served earlier (scheduling_policy "priority")
         self.max_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
+        # the stop check's parameters, read once per token (``sched_utils.check_stop``)
+        self.min_tokens = params.min_tokens
+        self.stop_eos = None if params.ignore_eos else eos_token_id  # EOS that ends it
+        self.stop_token_ids = params.stop_token_ids
         self.block_hashes: list[BlockHash] = []
         self.mm_features = list(mm_features or [])
         self.mm_spans = tuple((f.offset, f.end, f.identifier) for f in self.mm_features)

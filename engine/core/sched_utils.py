@@ -6,45 +6,51 @@ from typing import TYPE_CHECKING
 
 from epdserve.engine.core.interfaces import EngineCoreOutput, Logprobs, ModelRunnerOutput
 from epdserve.engine.core.request import Request, RequestStatus
+from epdserve.engine.core.step_guard import injected_fault, maybe_fail
 
 if TYPE_CHECKING:
     from epdserve.engine.core.scheduler import Scheduler
 
 
-def check_stop(request: Request, max_model_len: int) -> None:
+def check_stop(request: Request, max_model_len: int) -> bool:
     """Finish ``request`` if its last token is EOS or a stop token, it hit a length cap, or
-    its grammar is complete."""
-    params = request.params
-    last = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and last == request.eos_token_id:
+    its grammar is complete; whether it finished."""
+    produced = len(request.output_token_ids)
+    if produced >= request.min_tokens:
+        last = request.output_token_ids[-1]
+        if last == request.stop_eos:
             request.status = RequestStatus.FINISHED_STOPPED
-            return
-        if last in params.stop_token_ids:
+            return True
+        if request.stop_token_ids and last in request.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
-            return
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+            return True
+    if produced >= request.max_tokens or len(request.all_token_ids) >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    elif request.grammar is not None and request.grammar.terminated:
+        return True
+    if request.grammar is not None and request.grammar.terminated:
         # the grammar took its stop token: nothing more can follow (ignore_eos, min_tokens)
         request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    return False
 
 
 def make_output(
     request: Request,
-    token_ids,
+    token_ids: list[int],
     logprobs: Logprobs | None,
     prompt_logprobs: Logprobs | None,
 ) -> EngineCoreOutput:
+    """``token_ids`` is the output's own list (the step's, not kept by anything else)."""
+    cached = request.num_cached_tokens
     return EngineCoreOutput(
         request.request_id,
-        list(token_ids),
+        token_ids,
         logprobs,
         prompt_logprobs,
         request.status.finish_reason,
         request.stop_reason,
-        max(request.num_cached_tokens, 0),
+        cached if cached > 0 else 0,
     )
 
 
@@ -59,14 +65,13 @@ def room_after(request: Request, max_model_len: int) -> bool:
 
 
 def update_request(
-    scheduler: Scheduler, request: Request, token_ids, result: ModelRunnerOutput
+    scheduler: Scheduler, request: Request, token_ids: list[int], result: ModelRunnerOutput
 ) -> EngineCoreOutput | None:
     """Apply one request's part of a step's output: its tokens, the stop check, and its
     output (None: nothing to tell yet). A finished request is freed."""
     req_id = request.request_id
-    prompt_lp = result.prompt_logprobs.get(req_id)
-    if not token_ids and prompt_lp is None:
-        return None  # a partial prefill chunk
+    prompt_lp = result.prompt_logprobs.get(req_id) if result.prompt_logprobs else None
+    finished = False
     if token_ids:
         if request.num_output_placeholders:  # overlapped: the placeholders are known now
             request.num_output_placeholders = max(
@@ -75,16 +80,51 @@ def update_request(
         request.append_output_token_ids(token_ids)
         if request.grammar is not None:
             request.grammar.accept(token_ids)
-        check_stop(request, scheduler.max_model_len)
-    output = make_output(request, token_ids, result.logprobs.get(req_id), prompt_lp)
-    held = False
-    if request.is_finished:
-        if request in scheduler.running:
-            scheduler.running.remove(request)
-        else:  # overlapped: preempted (a failed schedule undone) while this step ran
-            scheduler.waiting.remove(request)
-        output.kv_transfer_params, held = scheduler._free(request)
+        finished = check_stop(request, scheduler.max_model_len)
+    elif prompt_lp is None:
+        return None  # a partial prefill chunk
+    else:
+        finished = request.is_finished
+    logprobs = result.logprobs.get(req_id) if result.logprobs else None
+    output = make_output(request, token_ids, logprobs, prompt_lp)
+    if not finished:
+        return output
+    if request in scheduler.running:
+        scheduler.running.remove(request)
+    else:  # overlapped: preempted (a failed schedule undone) while this step ran
+        scheduler.waiting.remove(request)
+    output.kv_transfer_params, held = scheduler._free(request)
     if held and output.kv_transfer_params is not None:
         scheduler.kv_transfer.hold_output(output)  # sent once the next pod can load it
         return None
     return output
+
+
+def apply_step_output(
+    scheduler: Scheduler, result: ModelRunnerOutput, owners: list | None
+) -> list[EngineCoreOutput]:
+    """``Scheduler.update_from_output``: each request's tokens, stops and output."""
+    outputs = []
+    if scheduler.kv_transfer is not None:
+        ready, released = scheduler.kv_transfer.update(result.kv_connector_output)
+        scheduler.waiting.put_first(ready)
+        outputs.extend(released)
+    scheduler.update_failures = failures = []
+    faults = injected_fault("update") is not None  # tests only: one env read per step
+    get = scheduler.requests.get
+    for k, (req_id, token_ids) in enumerate(
+        zip(result.req_ids, result.sampled_token_ids, strict=True)
+    ):
+        request = get(req_id)
+        if request is None or (owners is not None and owners[k] is not request):
+            continue  # aborted (or finished, with steps overlapped) while its step ran
+        try:  # one request's failure here is its own (the step guard fails it)
+            if faults:
+                maybe_fail("update", (req_id,))
+            output = update_request(scheduler, request, token_ids, result)
+        except Exception as exc:
+            failures.append((req_id, exc))
+            continue
+        if output is not None:
+            outputs.append(output)
+    return outputs

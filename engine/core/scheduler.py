@@ -28,7 +28,7 @@ from epdserve.engine.core.kv_cache_manager import KVCacheManager
 from epdserve.engine.core.mm_scheduling import EncoderScheduler
 from epdserve.engine.core.request import Request, RequestStatus
 from epdserve.engine.core.request_queues import RequestQueues
-from epdserve.engine.core.sched_utils import room_after, update_request
+from epdserve.engine.core.sched_utils import apply_step_output, room_after
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
 from epdserve.engine.core.waiting_queue import victim_index
 from epdserve.engine.kv_transfer.coordinator import LoadStart
@@ -83,29 +83,32 @@ class Scheduler(RequestQueues):
         if solo is not None and solo.status != RequestStatus.RUNNING and solo in self.waiting:
             self.waiting.remove(solo)  # a solo run admits only this request
             self.waiting.put_first([solo])
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        kv, max_len, running = self.kv, self.max_model_len, self.running
+        no_new, no_ids = kv.no_new_blocks, [[] for _ in range(kv.num_groups)]
+        while i < len(running) and budget > 0:  # the common path is lean: it runs per request
+            request = running[i]
             if solo is not None and request is not solo:
                 i += 1
                 continue
             self.scheduling = request
             if faults:
                 maybe_fail("schedule", (request.request_id,), self.label_of)
+            computed = request.num_computed_tokens
             pending = request.num_output_placeholders  # 0 unless steps overlap
-            if pending and not room_after(request, self.max_model_len):
+            if pending and not room_after(request, max_len):
                 i += 1  # the tokens in flight end it by length: no step past them
                 continue
-            n = min(
-                request.num_tokens + pending - request.num_computed_tokens,
-                budget,
-                self.max_model_len - request.num_computed_tokens,
-            )
+            n = len(request.all_token_ids) + pending - computed
+            if n > budget:
+                n = budget
+            if n > max_len - computed:
+                n = max_len - computed
             if request.mm_features:
-                n = self.encoder.fit(request, request.num_computed_tokens, n)
+                n = self.encoder.fit(request, computed, n)
             if n <= 0:
                 i += 1
                 continue
-            blocks = self.kv.allocate_slots(request, n)
+            blocks = kv.allocate_slots(request, n)
             if blocks is None and self.step_in_flight:  # preempt once its step is done
                 self.preemption_deferred = preempted = True
                 break
@@ -130,7 +133,9 @@ class Scheduler(RequestQueues):
             if blocks is None:
                 break
             cached_reqs.append(request)
-            new_block_ids[request.request_id] = [[b.block_id for b in g] for g in blocks]
+            new_block_ids[request.request_id] = (
+                no_ids if blocks is no_new else [[b.block_id for b in g] for g in blocks]
+            )
             num_scheduled[request.request_id] = n
             budget -= n
             i += 1
@@ -239,8 +244,9 @@ class Scheduler(RequestQueues):
         )
         self.finished_req_ids.clear()
         self._step_output = out  # undo_schedule() tells its finished ids again
+        requests = self.requests
         for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
+            request = requests[req_id]
             request.num_computed_tokens += n
             if self.overlapped and request.num_computed_tokens >= (
                 request.num_tokens + request.num_output_placeholders
@@ -272,26 +278,4 @@ class Scheduler(RequestQueues):
         """Apply a step's output. ``owners`` (overlapped steps): the requests it ran, in batch
         order; a row whose id now names another request (finished, and the id reused) is
         dropped."""
-        outputs = []
-        if self.kv_transfer is not None:
-            ready, released = self.kv_transfer.update(result.kv_connector_output)
-            self.waiting.put_first(ready)
-            outputs.extend(released)
-        self.update_failures = []
-        faults = injected_fault("update") is not None  # tests only: one env read per step
-        for k, (req_id, token_ids) in enumerate(
-            zip(result.req_ids, result.sampled_token_ids, strict=True)
-        ):
-            request = self.requests.get(req_id)
-            if request is None or (owners is not None and owners[k] is not request):
-                continue  # aborted (or finished, with steps overlapped) while its step ran
-            try:  # one request's failure here is its own (the step guard fails it)
-                if faults:
-                    maybe_fail("update", (req_id,))
-                output = update_request(self, request, token_ids, result)
-            except Exception as exc:
-                self.update_failures.append((req_id, exc))
-                continue
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        return apply_step_output(self, result, owners)

@@ -7,6 +7,7 @@ fixed number of vectorized numpy operations whatever the batch size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 import torch
@@ -36,6 +37,8 @@ class StepInputs:
     order: list[str]  # request ids in batch order
     lora_slots: torch.Tensor | None = None  # int32 [T] adapter slot per token; None: no adapter
     rows: np.ndarray | None = None  # each sequence's InputBatch row (its whole block table)
+    # every token of the step samples, in order (decode steps): the logits need no gather
+    every_token_samples: bool = False
 
 
 class InputBatch:
@@ -53,6 +56,7 @@ class InputBatch:
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self._arange = np.arange(max_num_reqs + 1, dtype=np.int64)  # sliced for offsets
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # the same in every group
@@ -60,6 +64,8 @@ class InputBatch:
         self.num_lora_rows = 0
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.states: dict[str, RequestState] = {}
+        self.row_of: dict[str, int] = {}  # request -> its row (the per-step lookups)
+        self.num_prompt_logprobs = 0  # rows whose request asked for prompt logprobs
 
     def add(
         self,
@@ -84,10 +90,14 @@ class InputBatch:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.states[req_id] = RequestState(req_id, row, params, num_prompt_tokens, generator)
+        self.row_of[req_id] = row
+        self.num_prompt_logprobs += params.prompt_logprobs is not None
 
     def remove(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)
         if state is not None:
+            del self.row_of[req_id]
+            self.num_prompt_logprobs -= state.params.prompt_logprobs is not None
             self.free_rows.append(state.row)
             self.num_lora_rows -= int(self.lora_slot[state.row] >= 0)
             self.lora_slot[state.row] = -1
@@ -107,41 +117,53 @@ class InputBatch:
 
     def prepare(self, num_scheduled: dict[str, int]) -> StepInputs:
         order = list(num_scheduled)
-        rows = np.fromiter((self.states[r].row for r in order), dtype=np.int64, count=len(order))
-        counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(order))
+        n = len(order)
+        rows = np.fromiter(map(self.row_of.__getitem__, order), dtype=np.int64, count=n)
         starts = self.num_computed[rows]
-        cu = np.cumsum(counts)
-        total = int(cu[-1])
-        offsets = np.arange(total) - np.repeat(cu - counts, counts)
-        req_idx = np.repeat(rows, counts)
-        positions = np.repeat(starts, counts) + offsets
+        total = sum(num_scheduled.values())
+        if total >= len(self._arange):
+            self._arange = np.arange(total + 1, dtype=np.int64)
+        if total == n:  # one token per sequence (decode steps): no ragged layout to build
+            counts = None
+            cu = self._arange[1 : n + 1]
+            req_idx, positions = rows, starts
+        else:
+            counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=n)
+            cu = np.cumsum(counts)
+            req_idx = np.repeat(rows, counts)
+            positions = np.repeat(starts - cu + counts, counts) + self._arange[:total]
         input_ids = self.token_ids[req_idx, positions]
         bs = self.block_size
-        block_idx, offset = positions // bs, positions % bs
+        block_idx, offset = np.divmod(positions, bs)
         slots = [
             torch.from_numpy(table[req_idx, block_idx].astype(np.int64) * bs + offset)
             for table in self.block_table
         ]
-        seq_lens = starts + counts
+        seq_lens = starts + 1 if counts is None else starts + counts
         max_blocks = int(-(-seq_lens.max() // bs))
         samples = seq_lens >= self.num_tokens[rows]
-        sample_pos = (cu - 1)[samples]
+        every = bool(samples.all())
+        sample_pos = cu - 1 if every else (cu - 1)[samples]
         self.num_computed[rows] = seq_lens
         lora = None
         if self.num_lora_rows:  # base-only batches skip this
             adapters = self.lora_slot[rows]
             if (adapters >= 0).any():
-                lora = torch.from_numpy(np.repeat(adapters, counts))
+                per_token = adapters if counts is None else np.repeat(adapters, counts)
+                lora = torch.from_numpy(per_token)
+        start_loc = np.empty(n + 1, dtype=np.int32)
+        start_loc[0], start_loc[1:] = 0, cu
         return StepInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
             slot_mapping=slots,
             block_table=[torch.from_numpy(t[rows, :max_blocks]) for t in self.block_table],
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            query_start_loc=torch.from_numpy(np.concatenate([[0], cu]).astype(np.int32)),
+            query_start_loc=torch.from_numpy(start_loc),
             logits_indices=torch.from_numpy(sample_pos),
-            sample_req_ids=[r for r, s in zip(order, samples, strict=True) if s],
+            sample_req_ids=order if every else list(compress(order, samples.tolist())),
             order=order,
             lora_slots=lora,
             rows=rows,
+            every_token_samples=every and counts is None,
         )

@@ -94,12 +94,13 @@ class ModelRunner:
             if new.mm_features:
                 self.mm_features[new.req_id] = new.mm_features
         cached = sched.scheduled_cached_reqs
-        for req_id, block_ids, computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
-            row = self.batch.states[req_id].row
-            self.batch.append_blocks(row, block_ids)
-            self.batch.num_computed[row] = computed
+        if cached.req_ids:  # most steps: every request decodes, few take a new block
+            batch = self.batch
+            rows = list(map(batch.row_of.__getitem__, cached.req_ids))
+            for k, block_ids in enumerate(cached.new_block_ids):
+                if block_ids and block_ids[0]:  # every group grows by the same count
+                    batch.append_blocks(rows[k], block_ids)
+            batch.num_computed[rows] = cached.num_computed_tokens
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
@@ -131,18 +132,24 @@ class ModelRunner:
             hidden = self.model.forward(dev.input_ids, meta, self.layer_caches)
         else:
             hidden = self.model.forward(dev.input_ids, meta, self.layer_caches, embeds)
-        sampled: dict[str, list[int]] = {}
-        logprobs = {}
-        if inputs.sample_req_ids:
-            logits = self.model.compute_logits(hidden[dev.logits_indices])
+        order, sampling = inputs.order, inputs.sample_req_ids
+        sampled, logprobs = None, {}
+        if sampling:
+            picked = hidden if inputs.every_token_samples else hidden[dev.logits_indices]
+            logits = self.model.compute_logits(picked)
             if logits is None:  # a rank that does not sample takes the output rank's tokens
-                self.sampler.follow(inputs.sample_req_ids)
+                self.sampler.follow(sampling)
             else:
-                sampled, logprobs = self.sampler.sample(logits, inputs.sample_req_ids, sched)
+                sampled, logprobs = self.sampler.sample(logits, sampling, sched)
         prompt_logprobs = self.sampler.prompt_logprobs(hidden, inputs)
-        return ModelRunnerOutput(
-            inputs.order, [sampled.get(r, []) for r in inputs.order], logprobs, prompt_logprobs
-        )
+        if sampled is None:
+            token_ids = [[] for _ in order]
+        elif sampling is order:  # every request sampled (decode steps)
+            token_ids = sampled
+        else:  # partial prefill chunks sample nothing
+            by_id = dict(zip(sampling, sampled, strict=True))
+            token_ids = [by_id.get(r, []) for r in order]
+        return ModelRunnerOutput(order, token_ids, logprobs, prompt_logprobs)
 
     def _multimodal_embeds(
         self, sched: SchedulerOutput, inputs, input_ids: torch.Tensor, metas

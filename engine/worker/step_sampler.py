@@ -10,6 +10,8 @@ logprobs run as batched tensor ops. The tokens (and logprobs) come back in one c
 
 from __future__ import annotations
 
+from operator import is_
+
 import numpy as np
 import torch
 
@@ -53,15 +55,9 @@ class StepSampler:
             self.state.remove(s.row)
 
     def sample(self, logits: torch.Tensor, req_ids: list[str], sched: SchedulerOutput):
-        states, owner = self.batch.states, self.state.owner
-        rows = np.fromiter(  # a request not added yet (or whose row changed hands) joins now
-            (
-                s.row if owner[s.row] is s else self._join(s)
-                for s in map(states.__getitem__, req_ids)
-            ),
-            dtype=np.int64,
-            count=len(req_ids),
-        )
+        """``(tokens, logprobs)``: each request's sampled token ids, in ``req_ids``' order,
+        and the logprobs of those that asked, by request."""
+        rows = self._rows(req_ids)
         tokens = raw = None
         try:
             tokens, raw = self._choose(logits, rows, req_ids, sched)
@@ -77,12 +73,23 @@ class StepSampler:
             lp = batch_logprobs(raw_lp, chosen, int(ks.max()))
         token_np, *lp_np = self.host.start(tokens, *(lp or ())).wait()  # the step's one sync
         self.batch.append_token(rows, token_np)
-        sampled = {r: [t] for r, t in zip(req_ids, token_np.tolist(), strict=True)}
         logprobs = {}
         if lp is not None:
             per = split_logprobs(*(a.tolist() for a in lp_np), ks.tolist())
             logprobs = {req_ids[i]: one for i, one in zip(want.tolist(), per, strict=True)}
-        return sampled, logprobs
+        return [[t] for t in token_np.tolist()], logprobs
+
+    def _rows(self, req_ids: list[str]) -> np.ndarray:
+        """The batch rows of ``req_ids``. A request not added yet (or whose row changed
+        hands) joins now; the check is one pass in C over the step's rows."""
+        batch, owner = self.batch, self.state.owner
+        rows = list(map(batch.row_of.__getitem__, req_ids))
+        states = list(map(batch.states.__getitem__, req_ids))
+        if not all(map(is_, map(owner.__getitem__, rows), states)):
+            for s in states:
+                if owner[s.row] is not s:
+                    self._join(s)
+        return np.array(rows, dtype=np.int64)
 
     def _choose(self, logits: torch.Tensor, rows: np.ndarray, req_ids, sched: SchedulerOutput):
         """The step's tokens, and ``(rows, log-probabilities)`` of the rows that want them."""
@@ -150,6 +157,8 @@ class StepSampler:
 
     def prompt_logprobs(self, hidden: torch.Tensor, inputs) -> dict:
         out = {}
+        if not self.batch.num_prompt_logprobs:
+            return out  # no row of the batch asked for them
         for i, req_id in enumerate(inputs.order):
             state = self.batch.states[req_id]
             k = state.params.prompt_logprobs
