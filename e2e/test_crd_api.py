@@ -71,7 +71,7 @@ class Kubectl:
 
 def establish(kubectl: Kubectl, path, name: str) -> None:
     kubectl("apply", "-f", str(path))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{name}")
+    kubectl.plane.wait_established(name, cache=kubectl.cache)
 
 
 @pytest.fixture(scope="module")

@@ -145,6 +145,21 @@ class ControlPlane:
         argv = [tool("kubectl"), f"--kubeconfig={self.admin}", f"--cache-dir={cache}", *args]
         return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
 
+    def wait_established(self, crd: str, timeout: float = 60, cache: Path | None = None) -> None:
+        """Wait until the CRD named ``crd`` is Established. ``kubectl wait`` alone is not
+        enough: right after the apply the CRD may have no conditions yet, and kubectl then
+        fails at once ("accessor error: <nil>") instead of waiting; seen on a slower CPU."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(1, int(deadline - time.monotonic()))
+            args = ("wait", "--for=condition=Established", f"--timeout={left}s", f"crd/{crd}")
+            done = self.kubectl(*args, timeout=left + 30, cache=cache)
+            if done.returncode == 0:
+                return
+            if time.monotonic() >= deadline or "accessor error" not in done.stderr:
+                raise AssertionError(f"crd/{crd} is not Established: {done.stderr}")
+            time.sleep(0.2)
+
     def helm(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """The real helm as the cluster's admin, with a home of its own (no user config)."""
         home = self.dir / "helm-home"

@@ -95,7 +95,8 @@ class KVCacheManager:
         if blocks is not None and self.no_sliding and new_computed_blocks is None:
             if total <= len(blocks[0]) * self.block_size:  # decode inside its last block
                 if self.enable_caching and not delay_cache:
-                    full = min(total, len(request.all_token_ids)) // self.block_size
+                    known = len(request.all_token_ids)
+                    full = (total if total < known else known) // self.block_size
                     if full > self.num_cached_blocks.get(rid, 0):
                         self._cache_blocks(request, blocks, total)
                 return self.no_new_blocks

@@ -26,10 +26,10 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS[self]
+        return FINISH_REASONS[self]
 
 
-_FINISH_REASONS = (None, None, None, None, "stop", "length", "abort")
+FINISH_REASONS = (None, None, None, None, "stop", "length", "abort")  # by status
 
 
 class Request:
@@ -79,6 +79,7 @@ class Request:
         # its blocks' adapter key: name and the digest of the files (a reload names others)
         self.lora_key = tuple(k for k in (self.lora_name, self.lora_digest) if k)
         self._hasher = hasher
+        self._hash_at = 1 << 62  # the token count at which the next block fills up
         if hasher is not None:
             self._extend_hashes()
         # prompt logprobs need every prompt position computed here, never read from cache
@@ -98,16 +99,15 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        hasher = self._hasher
-        if hasher is not None and len(self.all_token_ids) // hasher.block_size > len(
-            self.block_hashes
-        ):  # a block just filled up
+        if len(self.all_token_ids) >= self._hash_at:  # a block just filled up
             self._extend_hashes()
 
     def _extend_hashes(self) -> None:
-        self._hasher.extend(
+        hasher = self._hasher
+        hasher.extend(
             self.block_hashes, self.all_token_ids, self.mm_spans, self.cache_salt, self.lora_key
         )
+        self._hash_at = (len(self.block_hashes) + 1) * hasher.block_size
 
     def block_extra_keys(self, start: int, end: int) -> list | None:
         """The hash extra keys of blocks ``start..end-1`` as their KV events carry them (vLLM's

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from epdserve.engine.core.interfaces import EngineCoreOutput, Logprobs, ModelRunnerOutput
-from epdserve.engine.core.request import Request, RequestStatus
+from epdserve.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from epdserve.engine.core.step_guard import injected_fault, maybe_fail
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def make_output(
         token_ids,
         logprobs,
         prompt_logprobs,
-        request.status.finish_reason,
+        FINISH_REASONS[request.status],
         request.stop_reason,
         cached if cached > 0 else 0,
     )

@@ -37,6 +37,7 @@ class StepInputs:
     order: list[str]  # request ids in batch order
     lora_slots: torch.Tensor | None = None  # int32 [T] adapter slot per token; None: no adapter
     rows: np.ndarray | None = None  # each sequence's InputBatch row (its whole block table)
+    sample_rows: np.ndarray | None = None  # the rows of ``sample_req_ids``
     # every token of the step samples, in order (decode steps): the logits need no gather
     every_token_samples: bool = False
 
@@ -165,5 +166,6 @@ class InputBatch:
             order=order,
             lora_slots=lora,
             rows=rows,
+            sample_rows=rows if every else rows[samples],
             every_token_samples=every and counts is None,
         )

@@ -140,7 +140,7 @@ class ModelRunner:
             if logits is None:  # a rank that does not sample takes the output rank's tokens
                 self.sampler.follow(sampling)
             else:
-                sampled, logprobs = self.sampler.sample(logits, sampling, sched)
+                sampled, logprobs = self.sampler.sample(logits, sampling, sched, inputs.sample_rows)
         prompt_logprobs = self.sampler.prompt_logprobs(hidden, inputs)
         if sampled is None:
             token_ids = [[] for _ in order]

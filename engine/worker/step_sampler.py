@@ -54,10 +54,17 @@ class StepSampler:
         if s is not None:
             self.state.remove(s.row)
 
-    def sample(self, logits: torch.Tensor, req_ids: list[str], sched: SchedulerOutput):
+    def sample(
+        self,
+        logits: torch.Tensor,
+        req_ids: list[str],
+        sched: SchedulerOutput,
+        rows: np.ndarray | None = None,
+    ):
         """``(tokens, logprobs)``: each request's sampled token ids, in ``req_ids``' order,
-        and the logprobs of those that asked, by request."""
-        rows = self._rows(req_ids)
+        and the logprobs of those that asked, by request. ``rows``: their batch rows, when
+        the caller has them."""
+        rows = self._rows(req_ids, rows)
         tokens = raw = None
         try:
             tokens, raw = self._choose(logits, rows, req_ids, sched)
@@ -79,17 +86,18 @@ class StepSampler:
             logprobs = {req_ids[i]: one for i, one in zip(want.tolist(), per, strict=True)}
         return [[t] for t in token_np.tolist()], logprobs
 
-    def _rows(self, req_ids: list[str]) -> np.ndarray:
+    def _rows(self, req_ids: list[str], rows: np.ndarray | None) -> np.ndarray:
         """The batch rows of ``req_ids``. A request not added yet (or whose row changed
         hands) joins now; the check is one pass in C over the step's rows."""
         batch, owner = self.batch, self.state.owner
-        rows = list(map(batch.row_of.__getitem__, req_ids))
+        if rows is None:
+            rows = np.fromiter(map(batch.row_of.__getitem__, req_ids), np.int64, len(req_ids))
         states = list(map(batch.states.__getitem__, req_ids))
-        if not all(map(is_, map(owner.__getitem__, rows), states)):
+        if not all(map(is_, map(owner.__getitem__, rows.tolist()), states)):
             for s in states:
                 if owner[s.row] is not s:
                     self._join(s)
-        return np.array(rows, dtype=np.int64)
+        return rows
 
     def _choose(self, logits: torch.Tensor, rows: np.ndarray, req_ids, sched: SchedulerOutput):
         """The step's tokens, and ``(rows, log-probabilities)`` of the rows that want them."""

@@ -4,8 +4,12 @@ its results as one JSON line."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -17,12 +21,14 @@ def main(rank: int, size: int, name: str, mode: str) -> None:
     if rank == 0:
         shm.create()
     else:
-        for _ in range(500):  # rank 0 creates it: a test has no gloo barrier
-            try:
-                shm.attach()
-                break
-            except FileNotFoundError:
-                time.sleep(0.01)
+        wait_until(lambda: os.path.exists(shm.path))  # rank 0 creates it
+        shm.attach()
+    # a test has no gloo barrier: the 1.5 s deadline starts once every rank is here (ranks
+    # start seconds apart on a loaded 2-CPU machine, importing torch)
+    ready = Path(tempfile.gettempdir()) / f"{name}.ready"
+    (ready / str(rank)).parent.mkdir(exist_ok=True)
+    (ready / str(rank)).touch()
+    wait_until(lambda: len(list(ready.iterdir())) == size)
     if mode == "late" and rank == size - 1:
         return  # never arrives
     out: dict = {}
@@ -40,7 +46,16 @@ def main(rank: int, size: int, name: str, mode: str) -> None:
         out["timeout"] = str(exc)
     if rank == 0:
         shm.unlink()
+        shutil.rmtree(ready, ignore_errors=True)
     print(json.dumps(out), flush=True)
+
+
+def wait_until(predicate, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other ranks did not start")
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":

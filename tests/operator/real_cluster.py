@@ -102,8 +102,7 @@ class RealCluster(Clients):
         # The CRD before the controller manager, so that its garbage collector watches pools
         # from its first discovery on (it rediscovers resources only every 30 s).
         self.kubectl("apply", "-f", str(ROOT / "crds"))
-        crd = "crd/inferencepools.epdserve.io"
-        self.kubectl("wait", "--for=condition=Established", crd, "--timeout=60s")
+        plane.wait_established("inferencepools.epdserve.io")
         plane.components["kube-controller-manager"].start()
         # the Node that make_pods_ready binds pods to (EndpointSlices skip pods of no Node)
         node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}
