@@ -146,9 +146,8 @@ class ControlPlane:
         return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
 
     def wait_established(self, crd: str, timeout: float = 60, cache: Path | None = None) -> None:
-        """Wait until the CRD named ``crd`` is Established. ``kubectl wait`` alone is not
-        enough: right after the apply the CRD may have no conditions yet, and kubectl then
-        fails at once ("accessor error: <nil>") instead of waiting; seen on a slower CPU."""
+        """Until the CRD ``crd`` is Established: right after the apply it may have no
+        conditions yet, and ``kubectl wait`` then fails at once ("accessor error")."""
         deadline = time.monotonic() + timeout
         while True:
             left = max(1, int(deadline - time.monotonic()))
