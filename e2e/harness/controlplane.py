@@ -146,18 +146,17 @@ class ControlPlane:
         return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
 
     def wait_established(self, crd: str, timeout: float = 60, cache: Path | None = None) -> None:
-        """Until the CRD ``crd`` is Established: right after the apply it may have no
-        conditions yet, and ``kubectl wait`` then fails at once ("accessor error")."""
+        """Until ``crd`` is Established (``kubectl wait`` fails while it has no conditions)."""
         deadline = time.monotonic() + timeout
-        while True:
-            left = max(1, int(deadline - time.monotonic()))
+        while (left := int(deadline - time.monotonic())) > 0:
             args = ("wait", "--for=condition=Established", f"--timeout={left}s", f"crd/{crd}")
             done = self.kubectl(*args, timeout=left + 30, cache=cache)
             if done.returncode == 0:
                 return
-            if time.monotonic() >= deadline or "accessor error" not in done.stderr:
-                raise AssertionError(f"crd/{crd} is not Established: {done.stderr}")
+            if "accessor error" not in done.stderr:
+                break
             time.sleep(0.2)
+        raise AssertionError(f"crd/{crd} is not Established: {done.stderr}")
 
     def helm(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """The real helm as the cluster's admin, with a home of its own (no user config)."""
