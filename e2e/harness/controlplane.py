@@ -109,16 +109,9 @@ class ControlPlane:
         the API server), in start order."""
         binaries = {n: tool(n) for n in ORDER}
         self.pki.make_ca()
-        sans = [
-            "DNS:kubernetes",
-            "DNS:kubernetes.default",
-            "DNS:kubernetes.default.svc",
-            "DNS:kubernetes.default.svc.cluster.local",
-            "DNS:localhost",
-            f"IP:{KUBERNETES_SERVICE_IP}",
-            f"IP:{self.address}",
-            "IP:127.0.0.1",
-        ]
+        names = ("", ".default", ".default.svc", ".default.svc.cluster.local")
+        sans = [*(f"DNS:kubernetes{n}" for n in names), "DNS:localhost"]
+        sans += [f"IP:{KUBERNETES_SERVICE_IP}", f"IP:{self.address}", "IP:127.0.0.1"]
         serving = self.pki.cert("apiserver", "kube-apiserver", sans=sans)
         self.admin = self.pki.kubeconfig("admin", self.server, "kubernetes-admin", "system:masters")
         kcm = self.pki.kubeconfig("kcm", self.server, "system:kube-controller-manager")
