@@ -9,6 +9,7 @@ from typing import Any
 
 from epdserve.connectors.kv_connector import KVConnectorRole
 from epdserve.engine.config import EngineConfig
+from epdserve.engine.core.cpu_clock import ModelCpuClock
 from epdserve.engine.core.hashing import BlockHasher, get_hash_fn, none_hash
 from epdserve.engine.core.interfaces import (  # EngineCoreRequest: imported from here too
     EngineCoreOutput,
@@ -107,6 +108,7 @@ class EngineCore:
         )
         self.step_count = 0
         self.model_cpu_seconds = 0.0  # process CPU time spent in execute_model
+        self.cpu_clock = ModelCpuClock()  # read every 0.25 s at most, estimated between
         self.worker_stats = WorkerStats()  # the workers' counters, as of the last step
         self.guard = StepGuard()
         overlap = config.async_scheduling  # None: on where it pays (a CUDA device), see docs
@@ -189,9 +191,9 @@ class EngineCore:
             maybe_fail("execute", sched.num_scheduled_tokens, self.scheduler.label_of)
             if self.lora is not None and self.lora.slot_ops:
                 lora_core.send_slot_ops(self.lora, self.executor)
-            cpu = time.process_time()
+            mark = self.cpu_clock.start()
             result = self.executor.execute_model(sched)
-            self.model_cpu_seconds += time.process_time() - cpu
+            self.model_cpu_seconds += self.cpu_clock.seconds(mark)
         except WorkerFailure:  # a rank is gone or out of step: the core cannot go on
             raise
         except Exception as exc:  # one request's fault must not end every request

@@ -9,13 +9,13 @@ worker state.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from epdserve.engine.config import EngineConfig
+from epdserve.engine.core.cpu_clock import ModelCpuClock
 from epdserve.engine.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from epdserve.engine.executor.base import Executor, check_rank_method
 from epdserve.engine.worker.worker import Worker
@@ -30,6 +30,7 @@ class UniProcExecutor(Executor):
         self.worker.load_model()
         self._closed = False
         self._thread: ThreadPoolExecutor | None = None  # overlapped steps: made on first use
+        self._cpu_clock = ModelCpuClock()  # the step thread's
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         check_rank_method(method)
@@ -52,9 +53,9 @@ class UniProcExecutor(Executor):
             torch.cuda.set_device(device)
 
     def _timed_step(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
-        cpu = time.process_time()  # the process's CPU (every thread) while the model runs
+        mark = self._cpu_clock.start()  # the process's CPU (every thread) while the model runs
         output = self.worker.execute_model(sched)
-        return output, time.process_time() - cpu
+        return output, self._cpu_clock.seconds(mark)
 
     def shutdown(self) -> None:
         if not self._closed:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from epdserve.engine.models.bidirectional import ImageSpans, attend_spans
 from epdserve.engine.models.config import ModelConfig
-from epdserve.engine.models.layers import gathered_logits, vocab_embedding
+from epdserve.engine.models.layers import gathered_logits, inference, vocab_embedding
 from epdserve.engine.models.rope import cos_sin_cache
 from epdserve.engine.worker.parallel import TPGroup
 from epdserve.kernels.backends import KernelBackend, get_backend
@@ -134,7 +134,7 @@ class DecoderLM:
         cache = cos_sin_cache(params, self.config.head_dim, max_positions, torch.float32)
         return cache.to(device=self.device, dtype=self.dtype)
 
-    @torch.inference_mode()
+    @inference
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -199,7 +199,7 @@ class DecoderLM:
             lora.add(layer.index, ("down_proj",), h, down)
         return self.tp.all_reduce(down)
 
-    @torch.inference_mode()
+    @inference
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float logits ``[T, V]``; on a rank other than the output rank, None (every rank
         must call it: the vocab slices are gathered)."""

@@ -16,6 +16,7 @@ checkpoint (``ShardedWeights``: safetensors slices); at TP 1 every read is the w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -246,3 +247,18 @@ def gathered_logits(local: torch.Tensor, vocab_size: int, tp) -> torch.Tensor | 
         return local
     full = tp.gather_last(local)
     return None if full is None else full[:, :vocab_size]
+
+
+def inference(fn):
+    """``torch.inference_mode()`` around ``fn``, entered only when its caller is not in it
+    already: the runner's step is, and a nested entry (a new context object, cloned, entered
+    and left) cost several µs a call at cold caches, three calls a step."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run

@@ -115,5 +115,5 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (the first maximum), int64. On CPU numpy's vectorized argmax: ~10x
     faster than torch's for ``[64, 4096]`` fp32 logits (24 vs 220 us)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
-        return torch.from_numpy(np.argmax(logits.numpy(), axis=1))
+        return torch.from_numpy(logits.numpy().argmax(axis=1))
     return logits.argmax(-1)

@@ -141,9 +141,9 @@ class InputBatch:
             for table in self.block_table
         ]
         seq_lens = starts + 1 if counts is None else starts + counts
-        max_blocks = int(-(-seq_lens.max() // bs))
+        max_blocks = -(-int(np.maximum.reduce(seq_lens)) // bs)
         samples = seq_lens >= self.num_tokens[rows]
-        every = bool(samples.all())
+        every = np.count_nonzero(samples) == n  # (not .all(): a Python wrapper)
         sample_pos = cu - 1 if every else (cu - 1)[samples]
         self.num_computed[rows] = seq_lens
         lora = None

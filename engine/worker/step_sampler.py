@@ -102,7 +102,7 @@ class StepSampler:
     def _choose(self, logits: torch.Tensor, rows: np.ndarray, req_ids, sched: SchedulerOutput):
         """The step's tokens, and ``(rows, log-probabilities)`` of the rows that want them."""
         logits, raw = self.process(logits, rows, req_ids, sched)
-        if self.state.greedy[rows].all():
+        if np.count_nonzero(self.state.greedy[rows]) == len(rows):  # every row greedy
             return argmax_rows(logits), raw  # no per-step parameters to gather
         return sample(logits, self.state.gather(rows)), raw
 
