@@ -42,7 +42,6 @@ def make_output(
     prompt_logprobs: Logprobs | None,
 ) -> EngineCoreOutput:
     """``token_ids`` is the output's own list (the step's, not kept by anything else)."""
-    cached = request.num_cached_tokens
     return EngineCoreOutput(
         request.request_id,
         token_ids,
@@ -50,7 +49,7 @@ def make_output(
         prompt_logprobs,
         FINISH_REASONS[request.status],
         request.stop_reason,
-        cached if cached > 0 else 0,
+        max(request.num_cached_tokens, 0),
     )
 
 
@@ -68,34 +67,46 @@ def update_request(
     scheduler: Scheduler, request: Request, token_ids: list[int], result: ModelRunnerOutput
 ) -> EngineCoreOutput | None:
     """Apply one request's part of a step's output: its tokens, the stop check, and its
-    output (None: nothing to tell yet). A finished request is freed."""
+    output (None: nothing to tell yet). A finished request is freed. This runs for every
+    request every step: the common case (it goes on) makes no call but the append."""
     req_id = request.request_id
     prompt_lp = result.prompt_logprobs.get(req_id) if result.prompt_logprobs else None
-    finished = False
-    if token_ids:
-        if request.num_output_placeholders:  # overlapped: the placeholders are known now
-            request.num_output_placeholders = max(
-                0, request.num_output_placeholders - len(token_ids)
-            )
-        request.append_output_token_ids(token_ids)
-        if request.grammar is not None:
-            request.grammar.accept(token_ids)
-        finished = check_stop(request, scheduler.max_model_len)
-    elif prompt_lp is None:
-        return None  # a partial prefill chunk
-    else:
-        finished = request.is_finished
     logprobs = result.logprobs.get(req_id) if result.logprobs else None
-    output = make_output(request, token_ids, logprobs, prompt_lp)
-    if not finished:
-        return output
+    if not token_ids:
+        if prompt_lp is None:
+            return None  # a partial prefill chunk
+        output = make_output(request, token_ids, logprobs, prompt_lp)
+        return _finished(scheduler, request, output) if request.is_finished else output
+    if request.num_output_placeholders:  # overlapped: the placeholders are known now
+        request.num_output_placeholders = max(0, request.num_output_placeholders - len(token_ids))
+    request.append_output_token_ids(token_ids)
+    if request.grammar is not None:
+        request.grammar.accept(token_ids)
+    produced, last = len(request.output_token_ids), token_ids[-1]
+    if (  # anything that may end it: check_stop says which
+        produced >= request.max_tokens
+        or len(request.all_token_ids) >= scheduler.max_model_len
+        or request.grammar is not None
+        or (
+            produced >= request.min_tokens
+            and (last == request.stop_eos or last in request.stop_token_ids)
+        )
+    ) and check_stop(request, scheduler.max_model_len):
+        return _finished(scheduler, request, make_output(request, token_ids, logprobs, prompt_lp))
+    cached = request.num_cached_tokens  # make_output's, for a request still running
+    return EngineCoreOutput(req_id, token_ids, logprobs, prompt_lp, None, None, max(cached, 0))
+
+
+def _finished(scheduler: Scheduler, request: Request, output: EngineCoreOutput):
+    """Free a request that just finished; its output, or None while its blocks are held for
+    the next pod (sent once it can load them)."""
     if request in scheduler.running:
         scheduler.running.remove(request)
     else:  # overlapped: preempted (a failed schedule undone) while this step ran
         scheduler.waiting.remove(request)
     output.kv_transfer_params, held = scheduler._free(request)
     if held and output.kv_transfer_params is not None:
-        scheduler.kv_transfer.hold_output(output)  # sent once the next pod can load it
+        scheduler.kv_transfer.hold_output(output)
         return None
     return output
 

@@ -75,7 +75,7 @@ class SamplingState:
         n = max_num_reqs
         self.eos_token_id = eos_token_id  # masked, with stop_token_ids, under min_tokens
         self.temperature = np.ones(n, dtype=np.float32)
-        self.greedy = np.zeros(n, dtype=bool)
+        self.greedy = np.ones(n, dtype=bool)  # an empty row counts as greedy
         self.top_k = np.zeros(n, dtype=np.int64)
         self.top_p = np.ones(n, dtype=np.float32)
         self.min_p = np.zeros(n, dtype=np.float32)
@@ -94,7 +94,7 @@ class SamplingState:
         self.owner: list = [None] * n  # what added the row (the batch's request state)
         # rows of the batch that use each feature: a step skips what no row uses
         self.num_penalised = self.num_logprobs = self.num_bias = self.num_min_tokens = 0
-        self.num_bad_words = 0
+        self.num_bad_words = self.num_random = 0
 
     def add(
         self,
@@ -134,6 +134,7 @@ class SamplingState:
     def remove(self, row: int) -> None:
         self._count(row, -1)
         self.owner[row] = None
+        self.greedy[row] = True
         self.generators[row] = None
         self.seeded[row] = False
         self.penalised[row] = False
@@ -149,6 +150,7 @@ class SamplingState:
         self.num_bias += sign * bool(self.bias.count[row])
         self.num_min_tokens += sign * bool(self.min_tokens[row])
         self.num_bad_words += sign * bool(self.bad_words.count[row])
+        self.num_random += sign * (not self.greedy[row])
 
     def gather(self, rows: np.ndarray) -> StepParams:
         greedy = self.greedy[rows]

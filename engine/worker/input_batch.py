@@ -58,6 +58,7 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self._arange = np.arange(max_num_reqs + 1, dtype=np.int64)  # sliced for offsets
+        self._arange32 = self._arange.astype(np.int32)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # the same in every group
@@ -67,6 +68,7 @@ class InputBatch:
         self.states: dict[str, RequestState] = {}
         self.row_of: dict[str, int] = {}  # request -> its row (the per-step lookups)
         self.num_prompt_logprobs = 0  # rows whose request asked for prompt logprobs
+        self.num_added = 0  # requests added so far (the sampler checks it was told of each)
 
     def add(
         self,
@@ -92,6 +94,7 @@ class InputBatch:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.states[req_id] = RequestState(req_id, row, params, num_prompt_tokens, generator)
         self.row_of[req_id] = row
+        self.num_added += 1
         self.num_prompt_logprobs += params.prompt_logprobs is not None
 
     def remove(self, req_id: str) -> None:
@@ -124,27 +127,36 @@ class InputBatch:
         total = sum(num_scheduled.values())
         if total >= len(self._arange):
             self._arange = np.arange(total + 1, dtype=np.int64)
+            self._arange32 = self._arange.astype(np.int32)
         if total == n:  # one token per sequence (decode steps): no ragged layout to build
             counts = None
             cu = self._arange[1 : n + 1]
             req_idx, positions = rows, starts
+            start_loc = self._arange32[: n + 1]  # 0..n (a view: read-only by every reader)
         else:
             counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=n)
             cu = np.cumsum(counts)
             req_idx = np.repeat(rows, counts)
             positions = np.repeat(starts - cu + counts, counts) + self._arange[:total]
+            start_loc = np.empty(n + 1, dtype=np.int32)
+            start_loc[0], start_loc[1:] = 0, cu
         input_ids = self.token_ids[req_idx, positions]
         bs = self.block_size
         block_idx, offset = np.divmod(positions, bs)
-        slots = [
-            torch.from_numpy(table[req_idx, block_idx].astype(np.int64) * bs + offset)
-            for table in self.block_table
-        ]
+        slots = []
+        for table in self.block_table:  # block id * block size + offset, in place
+            slot = table[req_idx, block_idx].astype(np.int64)
+            slot *= bs
+            slot += offset
+            slots.append(torch.from_numpy(slot))
         seq_lens = starts + 1 if counts is None else starts + counts
         max_blocks = -(-int(np.maximum.reduce(seq_lens)) // bs)
         samples = seq_lens >= self.num_tokens[rows]
         every = np.count_nonzero(samples) == n  # (not .all(): a Python wrapper)
-        sample_pos = cu - 1 if every else (cu - 1)[samples]
+        if every:
+            sample_pos = self._arange[:n] if counts is None else cu - 1
+        else:
+            sample_pos = (cu - 1)[samples]
         self.num_computed[rows] = seq_lens
         lora = None
         if self.num_lora_rows:  # base-only batches skip this
@@ -152,8 +164,6 @@ class InputBatch:
             if (adapters >= 0).any():
                 per_token = adapters if counts is None else np.repeat(adapters, counts)
                 lora = torch.from_numpy(per_token)
-        start_loc = np.empty(n + 1, dtype=np.int32)
-        start_loc[0], start_loc[1:] = 0, cu
         return StepInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),

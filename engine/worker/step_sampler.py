@@ -10,8 +10,6 @@ logprobs run as batched tensor ops. The tokens (and logprobs) come back in one c
 
 from __future__ import annotations
 
-from operator import is_
-
 import numpy as np
 import torch
 
@@ -39,14 +37,15 @@ class StepSampler:
         eos = getattr(getattr(model, "config", None), "eos_token_ids", None) or ()
         self.state = SamplingState(batch.token_ids.shape[0], eos[0] if eos else None)
         self.host = HostCopy(model.device)
+        self._announced = 0  # of the batch's adds (``InputBatch.num_added``), those told here
 
     def add(self, req_id: str) -> None:
         """A request joined the batch (after ``InputBatch.add``)."""
         self._join(self.batch.states[req_id])
+        self._announced += 1
 
-    def _join(self, s) -> int:
+    def _join(self, s) -> None:
         self.state.add(s.row, s.params, s.num_prompt_tokens, s.generator, owner=s)
-        return s.row
 
     def remove(self, req_id: str) -> None:
         """A request leaves the batch (before ``InputBatch.remove`` frees its row)."""
@@ -87,22 +86,25 @@ class StepSampler:
         return [[t] for t in token_np.tolist()], logprobs
 
     def _rows(self, req_ids: list[str], rows: np.ndarray | None) -> np.ndarray:
-        """The batch rows of ``req_ids``. A request not added yet (or whose row changed
-        hands) joins now; the check is one pass in C over the step's rows."""
-        batch, owner = self.batch, self.state.owner
+        """The batch rows of ``req_ids``. A request the batch holds but this sampler was not
+        told of (or whose row changed hands) joins now: looked for only when the batch has
+        had more adds than ``add`` was called for, never in the runner's steps."""
+        batch = self.batch
         if rows is None:
             rows = np.fromiter(map(batch.row_of.__getitem__, req_ids), np.int64, len(req_ids))
-        states = list(map(batch.states.__getitem__, req_ids))
-        if not all(map(is_, map(owner.__getitem__, rows.tolist()), states)):
-            for s in states:
+        if self._announced != batch.num_added:
+            owner = self.state.owner
+            for s in list(batch.states.values()):
                 if owner[s.row] is not s:
                     self._join(s)
+            self._announced = batch.num_added
         return rows
 
     def _choose(self, logits: torch.Tensor, rows: np.ndarray, req_ids, sched: SchedulerOutput):
         """The step's tokens, and ``(rows, log-probabilities)`` of the rows that want them."""
         logits, raw = self.process(logits, rows, req_ids, sched)
-        if np.count_nonzero(self.state.greedy[rows]) == len(rows):  # every row greedy
+        st = self.state
+        if not st.num_random or np.count_nonzero(st.greedy[rows]) == len(rows):  # all greedy
             return argmax_rows(logits), raw  # no per-step parameters to gather
         return sample(logits, self.state.gather(rows)), raw
 
