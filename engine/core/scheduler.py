@@ -75,7 +75,7 @@ class Scheduler(RequestQueues):
             self.encoder.begin_step()
         new_reqs: list[Request] = []
         cached_reqs: list[Request] = []
-        new_block_ids: dict[str, list[list[int]]] = {}
+        new_block_ids: list[list[list[int]]] = []  # of cached_reqs, in their order
         preempted = False
 
         i = 0
@@ -121,6 +121,7 @@ class Scheduler(RequestQueues):
                 if done:  # priority only: scheduled earlier this step, undone
                     self.kv.forget_uncomputed(victim, victim.num_computed_tokens)
                     budget += num_scheduled.pop(victim.request_id)
+                    del new_block_ids[cached_reqs.index(victim)]
                     cached_reqs.remove(victim)
                 del self.running[v]
                 if v < i:  # priority only: the victim ran ahead of ``request``
@@ -133,7 +134,7 @@ class Scheduler(RequestQueues):
             if blocks is None:
                 break
             cached_reqs.append(request)
-            new_block_ids[request.request_id] = (
+            new_block_ids.append(
                 no_ids if blocks is no_new else [[b.block_id for b in g] for g in blocks]
             )
             num_scheduled[request.request_id] = n
@@ -235,7 +236,7 @@ class Scheduler(RequestQueues):
         ]
         cached = CachedRequestData(
             [r.request_id for r in cached_reqs],
-            [new_block_ids[r.request_id] for r in cached_reqs],
+            new_block_ids,
             [r.num_computed_tokens for r in cached_reqs],
         )
         finished = sorted(self.finished_req_ids)
