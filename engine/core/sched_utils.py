@@ -63,58 +63,12 @@ def room_after(request: Request, max_model_len: int) -> bool:
     )
 
 
-def update_request(
-    scheduler: Scheduler, request: Request, token_ids: list[int], result: ModelRunnerOutput
-) -> EngineCoreOutput | None:
-    """Apply one request's part of a step's output: its tokens, the stop check, and its
-    output (None: nothing to tell yet). A finished request is freed. This runs for every
-    request every step: the common case (it goes on) makes no call but the append."""
-    req_id = request.request_id
-    prompt_lp = result.prompt_logprobs.get(req_id) if result.prompt_logprobs else None
-    logprobs = result.logprobs.get(req_id) if result.logprobs else None
-    if not token_ids:
-        if prompt_lp is None:
-            return None  # a partial prefill chunk
-        output = make_output(request, token_ids, logprobs, prompt_lp)
-        return _finished(scheduler, request, output) if request.is_finished else output
-    if request.num_output_placeholders:  # overlapped: the placeholders are known now
-        request.num_output_placeholders = max(0, request.num_output_placeholders - len(token_ids))
-    request.append_output_token_ids(token_ids)
-    if request.grammar is not None:
-        request.grammar.accept(token_ids)
-    produced, last = len(request.output_token_ids), token_ids[-1]
-    if (  # anything that may end it: check_stop says which
-        produced >= request.max_tokens
-        or len(request.all_token_ids) >= scheduler.max_model_len
-        or request.grammar is not None
-        or (
-            produced >= request.min_tokens
-            and (last == request.stop_eos or last in request.stop_token_ids)
-        )
-    ) and check_stop(request, scheduler.max_model_len):
-        return _finished(scheduler, request, make_output(request, token_ids, logprobs, prompt_lp))
-    cached = request.num_cached_tokens  # make_output's, for a request still running
-    return EngineCoreOutput(req_id, token_ids, logprobs, prompt_lp, None, None, max(cached, 0))
-
-
-def _finished(scheduler: Scheduler, request: Request, output: EngineCoreOutput):
-    """Free a request that just finished; its output, or None while its blocks are held for
-    the next pod (sent once it can load them)."""
-    if request in scheduler.running:
-        scheduler.running.remove(request)
-    else:  # overlapped: preempted (a failed schedule undone) while this step ran
-        scheduler.waiting.remove(request)
-    output.kv_transfer_params, held = scheduler._free(request)
-    if held and output.kv_transfer_params is not None:
-        scheduler.kv_transfer.hold_output(output)
-        return None
-    return output
-
-
 def apply_step_output(
     scheduler: Scheduler, result: ModelRunnerOutput, owners: list | None
 ) -> list[EngineCoreOutput]:
-    """``Scheduler.update_from_output``: each request's tokens, stops and output."""
+    """``Scheduler.update_from_output``: each request's tokens, the stop check and its
+    output; a finished request is freed. This runs for every request of every step, so the
+    common case (a request that goes on) is inline: no call but the append."""
     outputs = []
     if scheduler.kv_transfer is not None:
         ready, released = scheduler.kv_transfer.update(result.kv_connector_output)
@@ -122,7 +76,8 @@ def apply_step_output(
         outputs.extend(released)
     scheduler.update_failures = failures = []
     faults = injected_fault("update") is not None  # tests only: one env read per step
-    get = scheduler.requests.get
+    get, max_len = scheduler.requests.get, scheduler.max_model_len
+    all_logprobs, all_prompt_lps = result.logprobs, result.prompt_logprobs
     for k, (req_id, token_ids) in enumerate(
         zip(result.req_ids, result.sampled_token_ids, strict=True)
     ):
@@ -132,10 +87,53 @@ def apply_step_output(
         try:  # one request's failure here is its own (the step guard fails it)
             if faults:
                 maybe_fail("update", (req_id,))
-            output = update_request(scheduler, request, token_ids, result)
+            prompt_lp = all_prompt_lps.get(req_id) if all_prompt_lps else None
+            logprobs = all_logprobs.get(req_id) if all_logprobs else None
+            if not token_ids:  # a prefill chunk: nothing sampled
+                if prompt_lp is not None:  # but prompt logprobs to tell
+                    output = make_output(request, token_ids, logprobs, prompt_lp)
+                    _settled(scheduler, request, output, outputs)
+                continue
+            if request.num_output_placeholders:  # overlapped: the placeholders are known now
+                left = request.num_output_placeholders - len(token_ids)
+                request.num_output_placeholders = max(0, left)
+            request.append_output_token_ids(token_ids)
+            if request.grammar is not None:
+                request.grammar.accept(token_ids)
+            produced, last = len(request.output_token_ids), token_ids[-1]
+            if (  # anything that may end it: check_stop says which
+                produced >= request.max_tokens
+                or len(request.all_token_ids) >= max_len
+                or request.grammar is not None
+                or (
+                    produced >= request.min_tokens
+                    and (last == request.stop_eos or last in request.stop_token_ids)
+                )
+            ) and check_stop(request, max_len):
+                output = make_output(request, token_ids, logprobs, prompt_lp)
+                _settled(scheduler, request, output, outputs)
+                continue
+            cached = request.num_cached_tokens  # make_output's, for a request still running
+            outputs.append(
+                EngineCoreOutput(
+                    req_id, token_ids, logprobs, prompt_lp, None, None, cached if cached > 0 else 0
+                )
+            )
         except Exception as exc:
             failures.append((req_id, exc))
-            continue
-        if output is not None:
-            outputs.append(output)
     return outputs
+
+
+def _settled(scheduler: Scheduler, request: Request, output: EngineCoreOutput, outputs: list):
+    """Tell ``output`` of a request that may have finished: a finished one is freed, and its
+    output held back while its blocks wait for the next pod to load them."""
+    if request.is_finished:
+        if request in scheduler.running:
+            scheduler.running.remove(request)
+        else:  # overlapped: preempted (a failed schedule undone) while this step ran
+            scheduler.waiting.remove(request)
+        output.kv_transfer_params, held = scheduler._free(request)
+        if held and output.kv_transfer_params is not None:
+            scheduler.kv_transfer.hold_output(output)  # sent once the next pod can load it
+            return
+    outputs.append(output)
