@@ -8,7 +8,8 @@ measurements, each engine alone:
   the calls ``EngineCore.step`` makes (schedule; the runner's state update, input prepare,
   device move, model forward, logits, sampling; the scheduler's update), at each batch size.
   ``other`` is the step minus those phases (the executor seam, structured-output fill,
-  connector hooks, the loop itself).
+  connector hooks, the loop itself); ``host`` is the step minus the forward and the logits.
+  Each figure is the median of ``--rounds`` runs.
 - ``step_ms`` (side by side with vLLM): each engine's offline ``LLM.generate`` of ``batch``
   prompts of 8 tokens to 1 and to ``--steps + 1`` output tokens (``ignore_eos``); the
   difference over ``--steps`` is the time of one decode step of the whole batch. Both at the
@@ -19,7 +20,10 @@ measurements, each engine alone:
   the first saves, which a 1-layer model cannot show.
 
     .venv/bin/python bench/step_host_time.py [--batches 1,64,256] [--steps 32] [--rounds 3]
-        [--no-vllm] [--vllm-venv DIR]
+        [--no-vllm] [--vllm-venv DIR] [--dtype bfloat16|float32] [--phases-only]
+
+    PYTHONPATH=/tmp/before .venv/bin/python bench/step_host_time.py --phases-only ...
+        # the same phases of another commit: /tmp/before/epdserve a worktree of it
 """
 
 from __future__ import annotations
@@ -74,8 +78,9 @@ class Phases:
         setattr(obj, attr, timed)
 
 
-def phase_breakdown(model: Path, batch: int, steps: int) -> dict:
-    """Mean µs per decode step of each phase, ``batch`` requests decoding together."""
+def phase_breakdown(model: Path, batch: int, steps: int, dtype: str = "bfloat16") -> dict:
+    """Mean µs per decode step of each phase, ``batch`` requests decoding together. Runs on
+    the code before #39 too (``PYTHONPATH`` at a worktree of it), for a before and after."""
     from vs_vllm_settings import KV_BYTES, MATCHED
 
     from epdserve.engine.config import EngineConfig
@@ -83,7 +88,7 @@ def phase_breakdown(model: Path, batch: int, steps: int) -> dict:
     from epdserve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(
-        model=str(model), max_model_len=512, kv_cache_memory=KV_BYTES, dtype="bfloat16", **MATCHED
+        model=str(model), max_model_len=512, kv_cache_memory=KV_BYTES, dtype=dtype, **MATCHED
     )
     core = EngineCore(config)
     try:
@@ -95,7 +100,10 @@ def phase_breakdown(model: Path, batch: int, steps: int) -> dict:
         phases.wrap(runner.device_inputs, "move", "device move")
         phases.wrap(runner.model, "forward", "model forward")
         phases.wrap(runner.model, "compute_logits", "logits")
-        phases.wrap(runner.sampler, "sample", "sample")
+        if hasattr(runner, "sampler"):
+            phases.wrap(runner.sampler, "sample", "sample")
+        else:  # the runner before #39 sampled in a method of its own
+            phases.wrap(runner, "_sample", "sample")
         phases.wrap(core.scheduler, "update_from_output", "scheduler update")
         params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
         for i in range(batch):
@@ -114,6 +122,15 @@ def phase_breakdown(model: Path, batch: int, steps: int) -> dict:
     out = {name: round(s / steps * 1e6, 1) for name, s in phases.seconds.items()}
     out["other"] = round((total - sum(phases.seconds.values())) / steps * 1e6, 1)
     out["step"] = round(total / steps * 1e6, 1)
+    return out
+
+
+def median_phases(model: Path, batch: int, steps: int, dtype: str, rounds: int) -> dict:
+    """Each phase's median over ``rounds`` runs, and ``host``: the step less the forward and
+    the logits (the matrix products)."""
+    runs = [phase_breakdown(model, batch, steps, dtype) for _ in range(rounds)]
+    out = {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
+    out["host"] = round(out["step"] - out["model forward"] - out["logits"], 1)
     return out
 
 
@@ -183,6 +200,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", help="of the phases' engine")
+    ap.add_argument("--phases-only", action="store_true", help="ours by phase, nothing else")
     ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get(
         "EPDSERVE_VLLM_VENV", DEFAULT_VENV)))  # fmt: skip
     args = ap.parse_args()
@@ -191,13 +210,19 @@ def main() -> None:
         model = one_layer_checkpoint(Path(tmp) / "one-layer")
         result = {
             "bench": "step_host_time",
-            "model": "llama tiny, 1 layer, bf16",
+            "model": f"llama tiny, 1 layer, phases in {args.dtype}, step_ms in bf16",
             "cpu": cpu_info(),
             "batches": batches,
             "steps": args.steps,
-            "phases_us": {str(b): phase_breakdown(model, b, args.steps) for b in batches},
-            "attention_layer_us": {str(b): attention_layer_us(b) for b in batches},
+            "phases_us": {
+                str(b): median_phases(model, b, args.steps, args.dtype, args.rounds)
+                for b in batches
+            },
         }
+        if args.phases_only:
+            print(json.dumps(result, indent=2))
+            return
+        result["attention_layer_us"] = {str(b): attention_layer_us(b) for b in batches}
         ours = step_ms(sys.executable, "epdserve", model, batches, args.steps, args.rounds)
         result["step_ms"] = {"epdserve": ours}
         if not args.no_vllm:
