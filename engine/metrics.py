@@ -179,7 +179,8 @@ class EngineMetrics:
         )
         self.model_cpu = c(
             "epdserve:model_cpu_seconds",
-            "CPU seconds the engine core spent running the model (every thread).",
+            "CPU seconds the engine core spent running the model (every thread; read at "
+            "most every 0.25 s, estimated from each step's wall time in between).",
         )
         self.core_input_bytes = c(
             "epdserve:core_input_bytes",
