@@ -41,7 +41,6 @@ class KVCacheManager:
             self.managers = make_managers(spec, self.pool, block_size)
         self.num_groups = len(self.managers)
         self.sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
-        self.no_sliding = not self.sliding
         # what ``allocate_slots`` returns when the request's blocks already hold its tokens
         # (most decode steps): one shared, immutable value
         self.no_new_blocks: GroupBlocks = tuple(() for _ in self.managers)
@@ -92,7 +91,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        if blocks is not None and self.no_sliding and new_computed_blocks is None:
+        if blocks is not None and not self.sliding and new_computed_blocks is None:
             if total <= len(blocks[0]) * self.block_size:  # decode inside its last block
                 if self.enable_caching and not delay_cache:
                     known = len(request.all_token_ids)

@@ -106,7 +106,7 @@ class StepSampler:
         st = self.state
         if not st.num_random or np.count_nonzero(st.greedy[rows]) == len(rows):  # all greedy
             return argmax_rows(logits), raw  # no per-step parameters to gather
-        return sample(logits, self.state.gather(rows)), raw
+        return sample(logits, st.gather(rows)), raw
 
     def process(self, logits: torch.Tensor, rows: np.ndarray, req_ids, sched: SchedulerOutput):
         """The logits to sample from (bias, min-tokens masks, grammar, penalties; ``logits``
